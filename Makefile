@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Each creates .venv on first use and installs what it needs. On a machine without CUDA torch
+# is pinned to the CPU build (an unpinned torch would pull several GB of CUDA packages).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_PIN := $(if $(HAS_CUDA),torch,torch==2.13.0)
+
+.PHONY: demo test test-gpu bench notebook install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: tokenise and pack the embedded corpus, train a tiny model packed / padded /
+# naive, print the comparison table, write the plot and the JSON report under outputs/.
+demo: $(STAMP)
+	$(VENV)/bin/packed-ce demo --output-dir outputs/demo
+
+# CPU suite: the Triton kernels run through the Triton interpreter on CPU tensors.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# On a CUDA machine: the compiled kernels, fp32 and bf16, large shapes, torch.compile.
+test-gpu:
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests
+
+bench:
+	$(PYTHON) benchmarks/bench_cross_entropy.py
+	$(PYTHON) benchmarks/bench_fused_linear.py
+
+notebook: $(STAMP)
+	$(PY) notebooks/execute.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

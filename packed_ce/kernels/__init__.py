@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers; import only where Triton is installed."""

@@ -1,0 +1,482 @@
+"""Triton cross entropy over rows of logits, weighted per row.
+
+The kernel knows nothing about sequences: :mod:`packed_ce.targets` folds packing, shift and
+the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel computes
+
+    loss[t] = coef[t] * l_t,   l_t = (1-eps)(lse - x_y) + eps (lse - mean_j x_j) + z lse^2
+    dL/dx_j = g_t * coef[t] * (p_j (1 + 2 z lse) - eps / V - (1-eps) [j == y])
+
+with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under ``softcap``
+(``x = c tanh(raw / c)``), the chain factor ``dx/draw = 1 - (x / c)^2``.
+
+Two ways to run it, both one program per row:
+- fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
+  for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
+  on the device when it is 1 (read N*V, write N*V in all).
+- recompute (reduction "none", whose upstream gradient is per row, and ``torch.compile``,
+  whose functional ops cannot hand back an in-place gradient): the forward writes the loss
+  and ``lse``; the backward reads the logits again and writes the gradient.
+
+Dimensions: N rows (tokens), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..runtime import interpreting
+
+@triton.jit
+def _apply_softcap(x, softcap):
+    # c * tanh(x / c) through exp, since tl has no tanh: tanh(u) = 1 - 2 / (exp(2u) + 1).
+    # exp overflows to inf for large u and the formula goes to +-1, as tanh does.
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+
+
+@triton.heuristics(
+    {
+        "HAS_SMOOTHING": lambda args: args["label_smoothing"] > 0.0,
+        "HAS_Z_LOSS": lambda args: args["z_loss_scale"] > 0.0,
+        "HAS_SOFTCAP": lambda args: args["softcap"] > 0.0,
+    }
+)
+@triton.jit
+def _cross_entropy_kernel(
+    # data ptrs
+    logits_ptr,  # (N, V) fp32/bf16/fp16, unit column stride
+    grad_ptr,  # (N, V) logits' dtype, written if COMPUTE_GRAD; may be logits_ptr (in place)
+    targets_ptr,  # (N,) int64 target class; read only where coef != 0
+    coef_ptr,  # (N,) fp32 weight of the row in the reduced loss, 0 = no target
+    grad_out_ptr,  # (N,) fp32 upstream gradient per row, if HAS_GRAD_OUT
+    loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
+    z_ptr,  # (N,) fp32 out: coef * z_loss_scale * lse^2, if COMPUTE_LOSS
+    lse_ptr,  # (N,) fp32: written if COMPUTE_LOSS, else read
+    # shapes
+    V,
+    # strides
+    stride_logits_n,
+    stride_grad_n,
+    stride_grad_out_n,  # 0 broadcasts one upstream gradient to every row
+    # hyperparameters: runtime floats, so a new value does not recompile
+    label_smoothing,
+    z_loss_scale,
+    softcap,  # 0.0 = no softcap
+    # switches
+    COMPUTE_LOSS: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    HAS_GRAD_OUT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2**31 at LLM shapes
+    logits_row = logits_ptr + row * stride_logits_n
+    grad_row = grad_ptr + row * stride_grad_n
+    cols = tl.arange(0, BLOCK_V)
+    coef = tl.load(coef_ptr + row)
+
+    if coef != 0.0:
+        target = tl.load(targets_ptr + row)
+        # Labels are range-checked on the host unless tracing; here an out-of-range label
+        # must not read out of bounds and must not pass silently: its loss and gradient are NaN.
+        bad_target = (target < 0) | (target >= V)
+        target = tl.where(bad_target, 0, target)
+
+        if COMPUTE_LOSS:
+            # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            x_sum = tl.zeros((), tl.float32)
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = _apply_softcap(x, softcap)
+                x = tl.where(mask, x, float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
+                if HAS_SMOOTHING:
+                    x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
+            lse = m + tl.log(s)
+
+            x_target = tl.load(logits_row + target).to(tl.float32)
+            if HAS_SOFTCAP:
+                x_target = _apply_softcap(x_target, softcap)
+            loss = lse - x_target
+            if HAS_SMOOTHING:
+                loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x_sum / V)
+            z_term = 0.0
+            if HAS_Z_LOSS:
+                z_term = z_loss_scale * lse * lse
+            loss = tl.where(bad_target, float("nan"), loss + z_term)
+            tl.store(loss_ptr + row, coef * loss)
+            tl.store(z_ptr + row, coef * z_term)
+            tl.store(lse_ptr + row, lse)
+        else:
+            lse = tl.load(lse_ptr + row)
+
+        if COMPUTE_GRAD:
+            g = coef
+            if HAS_GRAD_OUT:
+                g = g * tl.load(grad_out_ptr + row * stride_grad_out_n).to(tl.float32)
+            g = tl.where(bad_target, float("nan"), g)
+            p_scale = 1.0
+            if HAS_Z_LOSS:
+                p_scale = 1.0 + 2.0 * z_loss_scale * lse  # d(z lse^2)/dx_j = 2 z lse p_j
+            # Pass 2, read N*V (mostly from L2 right after pass 1) and write N*V. Each element
+            # is read before it is written by the same thread, so grad_ptr may alias logits.
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = _apply_softcap(x, softcap)
+                d = tl.exp(x - lse) * p_scale
+                if HAS_SMOOTHING:
+                    d -= label_smoothing / V
+                # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
+                d = tl.where(start + cols == target, d - (1.0 - label_smoothing), d)
+                if HAS_SOFTCAP:
+                    d *= 1.0 - (x / softcap) * (x / softcap)
+                tl.store(
+                    grad_row + start + cols,
+                    (g * d).to(grad_ptr.dtype.element_ty),
+                    mask=mask,
+                )
+    else:
+        # Not a target: no loss, a zero gradient, and the logits are never read.
+        if COMPUTE_LOSS:
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(z_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros((BLOCK_V,), tl.float32).to(grad_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                tl.store(grad_row + start + cols, zeros, mask=start + cols < V)
+
+
+@triton.jit
+def _scale_rows_kernel(
+    # data ptrs
+    grad_ptr,  # (N, V) fp32/bf16/fp16, scaled in place
+    scale_ptr,  # () fp32 upstream gradient
+    # shapes
+    N,
+    V,
+    # strides
+    stride_grad_n,
+    # switches
+    BLOCK_V: tl.constexpr,
+):
+    # Backward of the fused path. The branch is taken on the device, so the common case of an
+    # upstream gradient of exactly 1 costs one launch of idle programs, no pass over N*V and no
+    # host sync; any other value (loss scaling, Trainer's loss * num_processes) is honoured.
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        cols = tl.arange(0, BLOCK_V)
+        for row in range(tl.program_id(0), N, tl.num_programs(0)):
+            grad_row = grad_ptr + tl.cast(row, tl.int64) * stride_grad_n
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                g = tl.load(grad_row + start + cols, mask=mask).to(tl.float32)
+                tl.store(
+                    grad_row + start + cols,
+                    (g * scale).to(grad_ptr.dtype.element_ty),
+                    mask=mask,
+                )
+
+
+def _launch_config(vocab_size: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits."""
+    if interpreting():
+        # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
+        # the multi-block loop and its masked tail run at test-sized vocabularies.
+        return min(triton.next_power_of_2(vocab_size), 1024), 1
+    block = min(triton.next_power_of_2(vocab_size), 8192)
+    return block, min(max(block // 512, 1), 16)
+
+
+def launch_forward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    grad: torch.Tensor | None,
+    *,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
+
+    Args:
+        logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
+        targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
+        grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
+
+    Returns:
+        ``(loss, z, lse)``, each ``(N,)`` fp32.
+    """
+    n, vocab = logits.shape
+    # three allocations, not views of one: custom-op outputs must not alias each other
+    loss, z_rows, lse = (
+        torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)
+    )
+    if n == 0:
+        return loss, z_rows, lse
+    block, num_warps = _launch_config(vocab)
+    _cross_entropy_kernel[(n,)](
+        logits_ptr=logits,
+        grad_ptr=grad if grad is not None else logits,
+        targets_ptr=targets,
+        coef_ptr=coef,
+        grad_out_ptr=coef,  # unused: HAS_GRAD_OUT=False
+        loss_ptr=loss,
+        z_ptr=z_rows,
+        lse_ptr=lse,
+        V=vocab,
+        stride_logits_n=logits.stride(0),
+        stride_grad_n=grad.stride(0) if grad is not None else 0,
+        stride_grad_out_n=0,
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=float(softcap),
+        COMPUTE_LOSS=True,
+        COMPUTE_GRAD=grad is not None,
+        HAS_GRAD_OUT=False,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+    return loss, z_rows, lse
+
+
+def launch_backward(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    *,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Writes ``dL/dlogits`` into ``grad`` from the saved ``lse`` and per-row upstream gradients.
+
+    Args:
+        logits, grad: ``(N, V)``, ``grad`` may be ``logits`` itself.
+        targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
+        grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
+    """
+    n, vocab = logits.shape
+    if n == 0:
+        return grad
+    block, num_warps = _launch_config(vocab)
+    _cross_entropy_kernel[(n,)](
+        logits_ptr=logits,
+        grad_ptr=grad,
+        targets_ptr=targets,
+        coef_ptr=coef,
+        grad_out_ptr=grad_rows,
+        loss_ptr=lse,  # unused: COMPUTE_LOSS=False
+        z_ptr=lse,
+        lse_ptr=lse,
+        V=vocab,
+        stride_logits_n=logits.stride(0),
+        stride_grad_n=grad.stride(0),
+        stride_grad_out_n=grad_rows.stride(0),
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=float(softcap),
+        COMPUTE_LOSS=False,
+        COMPUTE_GRAD=True,
+        HAS_GRAD_OUT=True,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+    return grad
+
+
+def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
+    """``grad *= scale`` for a 0-d device ``scale``, with no work at all when it is 1."""
+    n, vocab = grad.shape
+    if n == 0:
+        return
+    block, num_warps = _launch_config(vocab)
+    if grad.is_cuda:
+        programs = 4 * torch.cuda.get_device_properties(grad.device).multi_processor_count
+    else:
+        programs = 4
+    _scale_rows_kernel[(min(n, programs),)](
+        grad_ptr=grad,
+        scale_ptr=scale.reshape(()).to(torch.float32),
+        N=n,
+        V=vocab,
+        stride_grad_n=grad.stride(0),
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd for eager mode: fused for scalar reductions, recompute for "none"."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits: torch.Tensor,  # (N, V) fp32/bf16/fp16, unit column stride
+        targets: torch.Tensor,  # (N,) int64
+        coef: torch.Tensor,  # (N,) fp32
+        label_smoothing: float,
+        z_loss_scale: float,
+        softcap: float,
+        reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
+        inplace_backward: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
+        needs_grad = ctx.needs_input_grad[0]
+        # With one scalar upstream gradient the whole gradient is known up to that scalar now,
+        # so compute it in the same pass that reads the logits for the loss.
+        fused = needs_grad and reduce
+        grad = None
+        if fused:
+            grad = logits if inplace_backward else torch.empty_like(logits)
+        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper)
+        if reduce:
+            loss, z_rows = loss.sum(), z_rows.sum()
+        ctx.mark_non_differentiable(z_rows)
+        ctx.fused, ctx.inplace_backward, ctx.hyper = fused, inplace_backward, hyper
+        ctx.backward_done = False
+        if fused:
+            ctx.save_for_backward(grad)
+        elif needs_grad:
+            ctx.save_for_backward(logits, targets, coef, lse)
+        return loss, z_rows
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, grad_z: torch.Tensor):
+        if ctx.backward_done:
+            # The fused gradient is scaled in place: a second backward would scale it twice.
+            raise RuntimeError(
+                "packed_ce.cross_entropy supports one backward per forward; "
+                "recompute the loss instead of retain_graph=True"
+            )
+        ctx.backward_done = True
+        if ctx.fused:
+            (grad,) = ctx.saved_tensors
+            scale_in_place(grad, grad_loss)
+        else:
+            logits, targets, coef, lse = ctx.saved_tensors
+            grad = logits if ctx.inplace_backward else torch.empty_like(logits)
+            launch_backward(
+                logits, grad, targets, coef, lse, grad_loss.float(), **ctx.hyper
+            )
+        # One gradient per forward input: logits, then targets, coef and the five options.
+        return grad, None, None, None, None, None, None, None
+
+
+# torch.compile path: two functional custom ops with registered autograd and fake kernels, so
+# that a compiled graph keeps the Triton kernels as opaque calls with no graph break.
+
+
+@torch.library.custom_op("packed_ce::cross_entropy_forward", mutates_args=())
+def cross_entropy_forward_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return launch_forward(
+        logits,
+        targets,
+        coef,
+        None,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        softcap=softcap,
+    )
+
+
+@cross_entropy_forward_op.register_fake
+def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap):
+    rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return rows, torch.empty_like(rows), torch.empty_like(rows)
+
+
+@torch.library.custom_op("packed_ce::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward_op(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    return launch_backward(
+        logits,
+        torch.empty_like(logits),
+        targets,
+        coef,
+        lse,
+        grad_rows.float(),
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        softcap=softcap,
+    )
+
+
+@cross_entropy_backward_op.register_fake
+def _(logits, targets, coef, lse, grad_rows, label_smoothing, z_loss_scale, softcap):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, targets, coef, label_smoothing, z_loss_scale, softcap = inputs
+    ctx.save_for_backward(logits, targets, coef, output[2])
+    ctx.hyper = (label_smoothing, z_loss_scale, softcap)
+
+
+def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse):
+    logits, targets, coef, lse = ctx.saved_tensors
+    grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
+    # One gradient per forward input: logits, then targets, coef and the three options.
+    return grad, None, None, None, None, None
+
+
+cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_cross_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    label_smoothing: float,
+    z_loss_scale: float,
+    softcap: float,
+    reduce: bool,
+    inplace_backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, z)``: 0-d fp32 sums if ``reduce``, else ``(N,)`` fp32 rows (z detached).
+
+    Args:
+        logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
+        targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
+    """
+    if torch.compiler.is_compiling():
+        loss, z_rows, _ = cross_entropy_forward_op(
+            logits, targets, coef, label_smoothing, z_loss_scale, softcap
+        )
+        if reduce:
+            return loss.sum(), z_rows.sum().detach()
+        return loss, z_rows.detach()
+    return CrossEntropyFunction.apply(
+        logits, targets, coef, label_smoothing, z_loss_scale, softcap, reduce, inplace_backward
+    )

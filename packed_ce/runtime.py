@@ -1,0 +1,42 @@
+"""Where the Triton kernels can run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its interpreter (``TRITON_INTERPRET=1``).
+
+    The variable is read when a kernel is defined, so it must be set before ``packed_ce`` is
+    imported; the interpreter runs kernels on CPU tensors.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for ``backend`` in ("auto", "triton", "torch").
+
+    ``"auto"`` takes the Triton kernel on CUDA tensors and the PyTorch reference elsewhere (the
+    interpreter is a correctness tool, far slower than PyTorch on the CPU).
+    """
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "auto":
+        return "triton" if tensor.is_cuda and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package, which is not installed")
+        if not tensor.is_cuda and not interpreting():
+            raise ValueError(
+                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                "importing packed_ce to run the kernel on CPU tensors through the interpreter"
+            )
+    return backend
