@@ -245,13 +245,14 @@ def prepare_targets(
         seq, num_slots = sequence_ids(labels, cu_seqlens, position_ids)
 
     if shift:
+        n = flat.numel()
         ignore = torch.full((1,), ignore_index, dtype=torch.int64, device=flat.device)
-        nxt = torch.cat([flat[1:], ignore])
+        nxt = torch.cat([flat[1:], ignore])[:n]  # [:n]: N = 0 stays empty
         if seq is None:
             targets = nxt
         else:
             last = torch.zeros(1, dtype=torch.bool, device=flat.device)
-            same_seq = torch.cat([seq[1:] == seq[:-1], last])
+            same_seq = torch.cat([seq[1:] == seq[:-1], last])[:n]
             targets = torch.where(same_seq, nxt, ignore)
     else:
         targets = flat

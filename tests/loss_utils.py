@@ -1,0 +1,166 @@
+"""Test helpers: random packings and the independent per-sequence ground truth.
+
+The per-sequence loop never looks at ``cu_seqlens`` or ``position_ids``: it takes the list of
+sequences as Python slices, runs ``F.cross_entropy`` on each one as if it were unpacked, and
+averages, which is what the packed loss must equal.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+HAS_CUDA = torch.cuda.is_available()
+
+# Where the Triton kernel can run in this session: CPU tensors through the interpreter (CI),
+# CUDA tensors compiled (GPU machine, TRITON_INTERPRET unset).
+KERNEL_DEVICES = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not HAS_CUDA or INTERPRETING, reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+def fresh_seed() -> int:
+    """A new seed per test run (fresh inputs); printed so a failure can be replayed."""
+    seed = int(os.environ.get("PACKED_CE_SEED", random.randrange(2**31)))
+    print(f"seed={seed}  (replay with PACKED_CE_SEED={seed})")
+    return seed
+
+
+@dataclass
+class Packing:
+    """A random pack: ``labels`` ``(N,)`` or ``(B, T)`` and its boundaries."""
+
+    labels: torch.Tensor
+    lengths: list[int]  # sequence lengths in order, zeros allowed (empty sequences)
+    cu_seqlens: torch.Tensor  # (S+1,) int32
+    position_ids: torch.Tensor  # labels-shaped int64, restarting at 0 per sequence
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        bounds = self.cu_seqlens.tolist()
+        return list(zip(bounds[:-1], bounds[1:]))
+
+
+def random_lengths(gen: torch.Generator, total: int, max_len: int) -> list[int]:
+    """Lengths summing to ``total``: random in [0, max_len], empty sequences included."""
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(0, max_len + 1, (1,), generator=gen)), total - sum(lengths)))
+    return lengths
+
+
+def random_packing(
+    gen: torch.Generator,
+    vocab: int,
+    *,
+    rows: int | None = None,
+    row_len: int = 32,
+    n_tokens: int = 64,
+    max_len: int = 12,
+    ignore_index: int = -100,
+    device: str = "cpu",
+) -> Packing:
+    """Labels with random packing: empty sequences, sequences with no target, ignored runs.
+
+    With ``rows`` the labels are ``(rows, row_len)`` and every row starts a new sequence (as in
+    a padded or row-packed batch); else ``(n_tokens,)``.
+    """
+    shape = (rows, row_len) if rows else (n_tokens,)
+    per_row = [random_lengths(gen, row_len, max_len) for _ in range(rows)] if rows else None
+    lengths = sum(per_row, []) if rows else random_lengths(gen, n_tokens, max_len)
+    n = sum(lengths)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    # the first and last class indices must work
+    labels[torch.randint(0, n, (2,), generator=gen)] = torch.tensor([0, vocab - 1])
+    # scattered ignored tokens, one long ignored run, and whole sequences without targets
+    labels[torch.rand(n, generator=gen) < 0.2] = ignore_index
+    start = int(torch.randint(0, max(n - n // 4, 1), (1,), generator=gen))
+    labels[start : start + n // 4] = ignore_index
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    for s in range(len(lengths)):
+        if torch.rand((), generator=gen) < 0.15:
+            labels[bounds[s] : bounds[s + 1]] = ignore_index
+    position_ids = torch.cat([torch.arange(length) for length in lengths] or [torch.zeros(0)])
+    return Packing(
+        labels=labels.reshape(shape).to(device),
+        lengths=lengths,
+        cu_seqlens=bounds.to(torch.int32).to(device),
+        position_ids=position_ids.to(torch.int64).reshape(shape).to(device),
+    )
+
+
+def per_sequence_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    slices: list[tuple[int, int]],
+    *,
+    is_packed: bool,
+    shift: bool,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch=None,
+) -> torch.Tensor:
+    """The loss computed one sequence at a time with ``F.cross_entropy``, in float64.
+
+    For ``is_packed=True``: each sequence's mean token loss, summed ("sum") or averaged over the
+    sequences that have a target ("mean"). For ``is_packed=False``: the token sum or mean.
+    "none" is not handled here (it is checked through its sum).
+    """
+    x_all = logits.reshape(-1, logits.shape[-1]).double()
+    y_all = labels.reshape(-1)
+    if softcap is not None:
+        x_all = softcap * torch.tanh(x_all / softcap)
+    seq_sums, seq_counts = [], []
+    for start, end in slices:
+        x, y = x_all[start:end], y_all[start:end]
+        if shift:
+            x, y = x[:-1], y[1:]
+        count = int((y != ignore_index).sum())
+        if count == 0:
+            continue
+        total = F.cross_entropy(
+            x, y, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum"
+        )
+        lse = torch.logsumexp(x[y != ignore_index], dim=-1)
+        total = total + z_loss_scale * lse.square().sum()
+        seq_sums.append(total)
+        seq_counts.append(count)
+    zero = x_all.sum() * 0.0  # keeps the graph alive when nothing is a target
+    if not seq_sums:
+        return zero
+    if is_packed:
+        per_seq = torch.stack([s / c for s, c in zip(seq_sums, seq_counts)])
+        total, items = per_seq.sum(), len(per_seq)
+    else:
+        total, items = torch.stack(seq_sums).sum(), sum(seq_counts)
+    if reduction == "sum":
+        return total + zero
+    denominator = items if num_items_in_batch is None else float(num_items_in_batch)
+    return total / denominator + zero if denominator > 0 else zero
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (0 when both are 0)."""
+    actual, expected = actual.double(), expected.double()
+    denominator = expected.norm()
+    if denominator == 0:
+        return float(actual.norm())
+    return float((actual - expected).norm() / denominator)

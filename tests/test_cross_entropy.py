@@ -1,0 +1,484 @@
+"""packed_ce.cross_entropy: the Triton kernel and the reference against the per-sequence loop.
+
+On CPU (CI) the kernel runs through the Triton interpreter (``TRITON_INTERPRET=1``); on a GPU
+(``make test-gpu``, tests marked ``cuda``) it runs compiled, in fp32 and bf16. Sizes are small
+because the interpreter runs each program in numpy, but every vocabulary below spans several
+kernel blocks (1024 columns under the interpreter) with a masked tail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import packed_ce
+from packed_ce.reference import cross_entropy_reference
+
+from loss_utils import (
+    KERNEL_DEVICES,
+    fresh_seed,
+    per_sequence_loss,
+    random_packing,
+    relative_error,
+)
+
+V_UNALIGNED = 1531  # two full interpreter blocks and a masked tail
+OPTION_SETS = {
+    "plain": dict(),
+    "smoothing": dict(label_smoothing=0.1),
+    "zloss": dict(z_loss_scale=1e-2),
+    "softcap": dict(softcap=3.0),
+    "all": dict(label_smoothing=0.2, z_loss_scale=1e-3, softcap=5.0),
+}
+# (dtype, rtol of loss and gradients against a float64 ground truth)
+KERNEL_TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _boundaries(packing, kind: str) -> dict:
+    return {"cu_seqlens": packing.cu_seqlens} if kind == "cu" else {"position_ids": packing.position_ids}
+
+
+def _logits(gen, shape, vocab, dtype, device, scale=3.0):
+    x = torch.randn(*shape, vocab, generator=gen, dtype=torch.float64) * scale
+    return x.to(device=device, dtype=dtype).requires_grad_()
+
+
+def _loss_and_grad(fn, logits, upstream=None):
+    """Loss and d(loss * upstream)/d(logits), on a clone so that inputs stay untouched."""
+    x = logits.detach().clone().requires_grad_()
+    loss = fn(x)
+    if upstream is None:
+        upstream = torch.ones_like(loss)
+    (grad,) = torch.autograd.grad(loss, x, upstream.to(loss.dtype))
+    return loss.detach(), grad
+
+
+# --- the reference against the per-sequence loop (float64, every option) --------------------
+
+
+@pytest.mark.parametrize("boundary", ["cu", "pos"])
+@pytest.mark.parametrize("batched", [False, True], ids=["(N,V)", "(B,T,V)"])
+@pytest.mark.parametrize("is_packed", [True, False])
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift, reduction, options):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    vocab = 37
+    packing = random_packing(gen, vocab, rows=3 if batched else None, row_len=24, n_tokens=60)
+    logits = _logits(gen, packing.labels.shape, vocab, torch.float64, "cpu")
+    kwargs = dict(is_packed=is_packed, shift=shift, **options)
+
+    def ours(x):
+        loss = packed_ce.cross_entropy(
+            x, packing.labels, **_boundaries(packing, boundary), reduction=reduction,
+            backend="torch", **kwargs,
+        )
+        # "none" must sum to "sum"; the loop gives the sum
+        return loss.sum() if reduction == "none" else loss
+
+    def loop(x):
+        return per_sequence_loss(
+            x, packing.labels, packing.slices, reduction="sum" if reduction == "none" else reduction,
+            **kwargs,
+        )
+
+    loss, grad = _loss_and_grad(ours, logits)
+    expected_loss, expected_grad = _loss_and_grad(loop, logits)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
+
+
+# --- the kernel against the reference and the loop ------------------------------------------
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize(
+    "reduction,is_packed,shift",
+    list(itertools.product(["mean", "sum", "none"], [True, False], [True, False])),
+)
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options):
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    # alternate the layouts across the grid instead of multiplying it
+    batched, boundary = seed % 2 == 0, ("cu", "pos")[(seed // 2) % 2]
+    packing = random_packing(gen, V_UNALIGNED, rows=2 if batched else None, row_len=20, n_tokens=40, device=device)
+    logits = _logits(gen, packing.labels.shape, V_UNALIGNED, torch.float32, device)
+    kwargs = dict(
+        **_boundaries(packing, boundary), is_packed=is_packed, shift=shift, reduction=reduction, **options
+    )
+    # an arbitrary upstream gradient: per token for "none", a loss scale for the reductions
+    upstream = (
+        torch.randn(packing.labels.shape, generator=gen)
+        if reduction == "none"
+        else torch.tensor(2.5)
+    ).to(device)
+
+    def run(backend):
+        return lambda x: packed_ce.cross_entropy(x, packing.labels, backend=backend, **kwargs)
+
+    loss, grad = _loss_and_grad(run("triton"), logits, upstream)
+    ref_loss, ref_grad = _loss_and_grad(run("torch"), logits.double(), upstream)
+    assert loss.dtype == torch.float32 and grad.dtype == logits.dtype
+    tol = KERNEL_TOLERANCES[torch.float32]
+    assert relative_error(loss, ref_loss) < tol
+    assert relative_error(grad, ref_grad) < tol
+
+    loop_kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens", "position_ids", "reduction")}
+    loop_reduction = "sum" if reduction == "none" else reduction
+    loop_loss, loop_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, packing.labels, packing.slices, reduction=loop_reduction, **loop_kwargs),
+        logits.double(),
+        upstream.sum() if reduction == "none" else upstream,
+    )
+    assert relative_error(loss.sum(), loop_loss) < tol
+    if reduction != "none":  # with a per-token upstream the loop's single scalar is not comparable
+        assert relative_error(grad, loop_grad) < tol
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("num_items", [7, "tensor"])
+def test_num_items_in_batch(device, num_items):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
+    logits = _logits(gen, packing.labels.shape, V_UNALIGNED, torch.float32, device)
+    if num_items == "tensor":
+        num_items = torch.tensor(11, device=device)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, num_items_in_batch=num_items)
+    loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, backend="triton", **kwargs), logits)
+    summed, summed_grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(
+            x, packing.labels, backend="triton", cu_seqlens=packing.cu_seqlens, is_packed=True,
+            shift=True, reduction="sum",
+        ),
+        logits,
+    )
+    d = float(num_items)
+    torch.testing.assert_close(loss, summed / d, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, summed_grad / d, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("layout", ["strided_rows", "permuted_batch", "strided_columns"])
+def test_non_contiguous_inputs(device, layout):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, rows=2, row_len=16, device=device)
+    base = torch.randn(2, 16, 2 * V_UNALIGNED, generator=gen).to(device)
+    if layout == "strided_rows":  # row stride 2V, unit column stride: used as is
+        logits = base[..., :V_UNALIGNED]
+    elif layout == "permuted_batch":  # (T, B, V) memory seen as (B, T, V)
+        logits = base[..., :V_UNALIGNED].transpose(0, 1).contiguous().transpose(0, 1)
+    else:  # column stride 2: copied before the kernel
+        logits = base[..., ::2][..., :V_UNALIGNED]
+    labels = packing.labels.t().contiguous().t()  # non-contiguous labels too
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True)
+    loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="triton", **kwargs), logits)
+    ref_loss, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="torch", **kwargs), logits.double())
+    assert relative_error(loss, ref_loss) < 2e-5
+    assert relative_error(grad, ref_grad) < 2e-5
+
+
+# --- inplace_backward -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_inplace_backward(device, reduction, inplace):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction)
+    logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
+    original = logits.clone()  # read only this copy after the kernel has run
+    ref_loss, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, backend="torch", **kwargs), original)
+
+    leaf = original.clone().requires_grad_()
+    x = leaf * 1.0  # a non-leaf, as the output of an lm_head is
+    loss = packed_ce.cross_entropy(x, packing.labels, backend="triton", inplace_backward=inplace, **kwargs)
+    loss.backward(torch.ones_like(loss))
+    assert relative_error(leaf.grad, ref_grad) < 2e-5
+    assert relative_error(loss.detach(), ref_loss) < 2e-5
+    if inplace:
+        # documented: the storage of logits now holds their gradient
+        torch.testing.assert_close(x.detach(), leaf.grad)
+    else:
+        torch.testing.assert_close(x.detach(), original, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_second_backward_is_refused(device):
+    logits = torch.randn(4, 50, device=device, requires_grad=True)
+    loss = packed_ce.cross_entropy(logits * 1.0, torch.tensor([1, 2, 3, 4], device=device), backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
+
+
+# --- properties -----------------------------------------------------------------------------
+
+
+# (backend, device): the reference on CPU, and the kernel wherever it can run
+BACKENDS = [
+    pytest.param(("torch", "cpu"), id="torch"),
+    *(pytest.param(("triton", p.values[0]), marks=p.marks, id=f"triton-{p.values[0]}") for p in KERNEL_DEVICES),
+]
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_uniform_logits_give_log_vocab(backend_device):
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
+    logits = torch.full((40, V_UNALIGNED), 0.25, device=device)
+    if not (packing.labels != -100).any():
+        packing.labels[0] = 0
+    loss = packed_ce.cross_entropy(logits, packing.labels, cu_seqlens=packing.cu_seqlens, is_packed=True, backend=backend)
+    torch.testing.assert_close(loss, torch.tensor(float(torch.log(torch.tensor(float(V_UNALIGNED)))), device=device))
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_row_constant_and_sequence_permutation_invariance(backend_device):
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=48, device=device)
+    logits = torch.randn(48, V_UNALIGNED, generator=gen).to(device)
+    kwargs = dict(is_packed=True, shift=True, backend=backend)
+    loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, cu_seqlens=packing.cu_seqlens, **kwargs), logits)
+
+    # adding a constant to each row changes neither loss nor gradient
+    shifted = logits + torch.randn(48, 1, generator=gen).to(device) * 10
+    loss2, grad2 = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, cu_seqlens=packing.cu_seqlens, **kwargs), shifted)
+    torch.testing.assert_close(loss2, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad2, grad, rtol=1e-4, atol=1e-6)
+
+    # permuting whole sequences inside the pack leaves the loss unchanged; gradients move along
+    order = torch.randperm(len(packing.lengths), generator=gen).tolist()
+    slices = packing.slices
+    index = torch.cat([torch.arange(*slices[s]) for s in order]).to(device)
+    lengths = torch.tensor([0] + [packing.lengths[s] for s in order]).cumsum(0).to(torch.int32).to(device)
+    loss3, grad3 = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, packing.labels[index], cu_seqlens=lengths, **kwargs), logits[index]
+    )
+    torch.testing.assert_close(loss3, loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad3, grad[index], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("boundary", ["cu", "pos"])
+def test_appending_a_sequence_without_targets_changes_nothing(backend_device, boundary):
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
+    logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
+    extra = 9
+    labels2 = torch.cat([packing.labels, torch.full((extra,), -100, device=device)])
+    logits2 = torch.cat([logits, torch.randn(extra, V_UNALIGNED, generator=gen).to(device)])
+    cu2 = torch.cat([packing.cu_seqlens, packing.cu_seqlens[-1:] + extra])
+    pos2 = torch.cat([packing.position_ids, torch.arange(extra, device=device)])
+    b1 = {"cu_seqlens": packing.cu_seqlens} if boundary == "cu" else {"position_ids": packing.position_ids}
+    b2 = {"cu_seqlens": cu2} if boundary == "cu" else {"position_ids": pos2}
+    kwargs = dict(is_packed=True, shift=True, backend=backend)
+    loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, **b1, **kwargs), logits)
+    loss2, grad2 = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels2, **b2, **kwargs), logits2)
+    torch.testing.assert_close(loss2, loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad2[:30], grad, rtol=1e-6, atol=1e-9)
+    assert not grad2[30:].any()
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", ["empty", "all_ignored", "zero_num_items"])
+def test_nothing_to_learn_gives_zero_not_nan(backend_device, reduction, case):
+    backend, device = backend_device
+    n = 0 if case == "empty" else 12
+    logits = torch.randn(n, V_UNALIGNED, device=device)
+    labels = torch.full((n,), -100, device=device) if case != "zero_num_items" else torch.randint(0, V_UNALIGNED, (n,), device=device)
+    cu = torch.tensor([0, n // 2, n], dtype=torch.int32, device=device)
+    extra = {"num_items_in_batch": 0} if case == "zero_num_items" else {}
+    if case == "zero_num_items" and reduction != "mean":
+        pytest.skip("num_items_in_batch only divides the mean")
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, labels, cu_seqlens=cu, is_packed=True, shift=True, reduction=reduction, backend=backend, **extra),
+        logits,
+    )
+    assert torch.isfinite(loss).all() and not loss.any()
+    assert torch.isfinite(grad).all() and not grad.any()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_none_with_long_ignored_runs_keeps_gradients(device):
+    """A long ignored run must not zero the gradients of the targets after it."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    n = 64
+    labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen)
+    labels[4:52] = -100
+    labels, logits = labels.to(device), torch.randn(n, V_UNALIGNED, generator=gen).to(device)
+    upstream = torch.rand(n, generator=gen).to(device) + 0.5
+    _, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, reduction="none", backend="triton"), logits, upstream)
+    _, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, reduction="none", backend="torch"), logits, upstream)
+    targets = labels != -100
+    assert grad[targets].abs().sum(-1).min() > 0
+    assert not grad[~targets].any()
+    assert relative_error(grad, ref_grad) < 2e-5
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_return_z_loss(device):
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
+    logits = torch.randn(40, V_UNALIGNED, generator=gen).to(device)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, return_z_loss=True)
+    loss, z = packed_ce.cross_entropy(logits, packing.labels, z_loss_scale=1e-2, backend="triton", **kwargs)
+    ref_loss, ref_z = packed_ce.cross_entropy(logits, packing.labels, z_loss_scale=1e-2, backend="torch", **kwargs)
+    plain, zero_z = packed_ce.cross_entropy(logits, packing.labels, backend="triton", **kwargs)
+    assert not z.requires_grad
+    assert relative_error(z, ref_z) < 2e-5 and float(z) > 0
+    assert float(zero_z) == 0.0
+    # the z-term is part of the loss, reduced with the same weights
+    torch.testing.assert_close(loss, plain + z, rtol=1e-5, atol=1e-6)
+    assert relative_error(loss, ref_loss) < 2e-5
+
+
+def test_module_holds_options():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, 50, n_tokens=20)
+    logits = torch.randn(20, 50, generator=gen)
+    module = packed_ce.PackedCrossEntropyLoss(is_packed=True, shift=True, label_smoothing=0.1)
+    expected = packed_ce.cross_entropy(
+        logits, packing.labels, cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, label_smoothing=0.1, num_items_in_batch=3
+    )
+    torch.testing.assert_close(module(logits, packing.labels, cu_seqlens=packing.cu_seqlens, num_items_in_batch=3), expected)
+    assert "is_packed=True" in repr(module)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        packed_ce.PackedCrossEntropyLoss(cu_seqlens=packing.cu_seqlens)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_compile_fullgraph(device):
+    """torch.compile traces a function that calls the kernel without graph breaks."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V_UNALIGNED, n_tokens=32, device=device)
+    logits = torch.randn(32, V_UNALIGNED, generator=gen).to(device)
+
+    def step(x, labels, cu_seqlens):
+        return packed_ce.cross_entropy(
+            x * 2.0, labels, cu_seqlens=cu_seqlens, is_packed=True, shift=True, backend="triton",
+            label_smoothing=0.1,
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    loss, grad = _loss_and_grad(lambda x: compiled(x, packing.labels, packing.cu_seqlens), logits)
+    ref_loss, ref_grad = _loss_and_grad(lambda x: step(x, packing.labels, packing.cu_seqlens), logits)
+    assert relative_error(loss, ref_loss) < 1e-5
+    assert relative_error(grad, ref_grad) < 1e-5
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def _bad_cases(device):
+    n, v = 6, 11
+    x = torch.randn(n, v, device=device)
+    y = torch.randint(0, v, (n,), device=device)
+    cu = lambda *c: torch.tensor(c, dtype=torch.int32, device=device)  # noqa: E731
+    return [
+        ("label_too_large", dict(labels=y.clone().index_fill_(0, torch.tensor([2], device=device), v)), ValueError, "labels"),
+        ("label_negative", dict(labels=y.clone().index_fill_(0, torch.tensor([1], device=device), -5)), ValueError, "labels"),
+        ("cu_not_from_zero", dict(cu_seqlens=cu(1, 3, 6), is_packed=True), ValueError, "cu_seqlens"),
+        ("cu_decreasing", dict(cu_seqlens=cu(0, 4, 2, 6), is_packed=True), ValueError, "cu_seqlens"),
+        ("cu_not_to_n", dict(cu_seqlens=cu(0, 3, 5), is_packed=True), ValueError, "cu_seqlens"),
+        ("cu_float", dict(cu_seqlens=torch.tensor([0.0, 6.0], device=device), is_packed=True), TypeError, "cu_seqlens"),
+        ("cu_2d", dict(cu_seqlens=cu(0, 6)[None], is_packed=True), ValueError, "cu_seqlens"),
+        ("shape_mismatch", dict(labels=y[:-1]), ValueError, "labels"),
+        ("float_labels", dict(labels=y.float()), TypeError, "labels"),
+        ("logits_1d", dict(logits=x[0]), ValueError, "logits"),
+        ("unknown_reduction", dict(reduction="average"), ValueError, "reduction"),
+        ("packed_without_boundaries", dict(is_packed=True), ValueError, "is_packed"),
+        ("both_boundaries", dict(cu_seqlens=cu(0, 6), position_ids=torch.arange(n, device=device)), ValueError, "cu_seqlens"),
+        ("position_ids_wrong_size", dict(position_ids=torch.arange(n + 1, device=device), is_packed=True), ValueError, "position_ids"),
+        ("smoothing_out_of_range", dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+        ("negative_softcap", dict(softcap=-1.0), ValueError, "softcap"),
+        ("num_items_float", dict(num_items_in_batch=2.5), TypeError, "num_items_in_batch"),
+        ("num_items_negative", dict(num_items_in_batch=-1), ValueError, "num_items_in_batch"),
+        ("unknown_backend", dict(backend="cuda"), ValueError, "backend"),
+        ("int_logits", dict(logits=torch.ones(n, v, dtype=torch.int64, device=device)), TypeError, "logits"),
+    ], x, y
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_bad_input_raises_naming_the_argument(backend_device):
+    backend, device = backend_device
+    cases, x, y = _bad_cases(device)
+    for name, change, error, word in cases:
+        args = dict(logits=x, labels=y, backend=backend)
+        args.update(change)
+        with pytest.raises(error, match=word):
+            packed_ce.cross_entropy(args.pop("logits"), args.pop("labels"), **args)
+
+
+# --- GPU only: bf16 and LLM-sized shapes ----------------------------------------------------
+
+cuda_only = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# (dtype, rtol of the loss, max relative norm error of the gradient) against an fp32 reference
+# on the same (upcast) logits: the kernel does fp32 math, so the loss only sees summation
+# order; the gradient is rounded once to the logits' dtype (bf16: 8 bits, ~2**-9 relative).
+GPU_TOLERANCES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-5, 8e-3), (torch.float16, 1e-5, 1e-3)]
+
+
+@pytest.mark.parametrize("dtype,loss_rtol,grad_tol", GPU_TOLERANCES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936], ids=["llama2-vocab", "llama3-vocab", "qwen2-vocab"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("options", [OPTION_SETS["plain"], OPTION_SETS["all"]], ids=["plain", "all"])
+def test_gpu_dtypes_against_fp32_reference(dtype, loss_rtol, grad_tol, vocab, reduction, options):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, vocab, rows=2, row_len=1024, max_len=300, device="cuda")
+    logits = (torch.randn(2, 1024, vocab, generator=torch.Generator().manual_seed(1)) * 3).to("cuda", dtype)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction, **options)
+    upstream = torch.rand(packing.labels.shape, device="cuda") if reduction == "none" else torch.tensor(1.0, device="cuda")
+    loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, backend="triton", **kwargs), logits, upstream)
+    ref_loss, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, packing.labels, backend="torch", **kwargs), logits.float(), upstream)
+    assert grad.dtype == dtype and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, ref_loss, rtol=loss_rtol, atol=1e-6)
+    assert relative_error(grad, ref_grad) < grad_tol
+
+
+for _mark in cuda_only:
+    test_gpu_dtypes_against_fp32_reference = _mark(test_gpu_dtypes_against_fp32_reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("inplace", [True, False])
+def test_gpu_offsets_past_2_pow_31(inplace):
+    """N * V > 2**31: row offsets must be 64-bit, or the last rows read and write wrong memory."""
+    n, vocab = 16_500, 131_072  # 2.16e9 logits, 4.3 GB in bf16
+    assert n * vocab > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    labels[::7] = -100
+    tail = slice(n - 64, n)  # rows whose offsets pass 2**31
+    ref_tail = logits[tail].float().requires_grad_()
+    ref_tail_loss = packed_ce.cross_entropy(ref_tail, labels[tail], reduction="sum", backend="torch")
+    ref_tail_loss.backward()
+    with torch.no_grad():  # full reference loss, chunked to bound memory
+        ref_loss = sum(
+            packed_ce.cross_entropy(logits[i : i + 2048].float(), labels[i : i + 2048], reduction="sum", backend="torch")
+            for i in range(0, n, 2048)
+        )
+    x = logits.clone().requires_grad_() if not inplace else logits
+    leaf = x if not inplace else None
+    if inplace:
+        leaf = logits.requires_grad_()
+        x = leaf * 1  # non-leaf: the kernel may overwrite it
+    loss = packed_ce.cross_entropy(x, labels, reduction="sum", backend="triton", inplace_backward=inplace)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3)
+    assert relative_error(leaf.grad[tail], ref_tail.grad) < 8e-3
+    assert relative_error(loss.new_tensor(0.0) + leaf.grad[tail].float().sum(), ref_tail.grad.sum()) < 1e-2
