@@ -75,9 +75,10 @@ def cross_entropy(
         backend: "triton" (the kernel; on CPU tensors through the Triton interpreter when
             ``TRITON_INTERPRET=1``), "torch" (the PyTorch reference), or "auto" (the kernel on
             CUDA, the reference elsewhere).
-        validate: check label range and ``cu_seqlens`` contents (one host sync on CUDA; skipped
-            automatically under ``torch.compile`` and CUDA-graph capture). With False nothing
-            syncs; an out-of-range label then gives a NaN loss instead of an error.
+        validate: check label range and ``cu_seqlens`` contents (one host sync on CUDA, after
+            the kernel is queued; skipped automatically under ``torch.compile`` and CUDA-graph
+            capture). With False nothing syncs; an out-of-range label then gives a NaN loss
+            instead of an error.
 
     Returns:
         The loss (float32; float64 for float64 logits on the torch backend): 0-d for "mean" and
@@ -116,8 +117,6 @@ def cross_entropy(
         allowed_dtypes=KERNEL_DTYPES if backend == "triton" else REFERENCE_DTYPES,
     )
     vocab = logits.shape[-1]
-    if validate:
-        check_values(labels, vocab, ignore_index, cu_seqlens)
     boundaries = dict(cu_seqlens=cu_seqlens, position_ids=position_ids, is_packed=is_packed)
     options = dict(
         shift=shift,
@@ -126,6 +125,8 @@ def cross_entropy(
         num_items_in_batch=num_items_in_batch,
     )
     if backend == "torch":
+        if validate:
+            check_values(labels, vocab, ignore_index, cu_seqlens)
         loss, z_loss = cross_entropy_reference(
             logits,
             labels,
@@ -154,6 +155,11 @@ def cross_entropy(
         )
         if reduction == "none":
             loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
+        if validate:
+            # After the launch: the one host sync then waits for work already queued instead
+            # of idling the GPU while the host prepares the kernel. The kernel is memory-safe
+            # on bad values (NaN loss), so nothing wrong escapes: the error is raised here.
+            check_values(labels, vocab, ignore_index, cu_seqlens)
     return (loss, z_loss) if return_z_loss else loss
 
 

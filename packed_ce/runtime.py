@@ -17,8 +17,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# Looked up once at import: torch.compile refuses to trace importlib's find_spec.
+TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
@@ -30,9 +30,9 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "auto":
-        return "triton" if tensor.is_cuda and triton_available() else "torch"
+        return "triton" if tensor.is_cuda and TRITON_AVAILABLE else "torch"
     if backend == "triton":
-        if not triton_available():
+        if not TRITON_AVAILABLE:
             raise ValueError("backend='triton' needs the triton package, which is not installed")
         if not tensor.is_cuda and not interpreting():
             raise ValueError(
