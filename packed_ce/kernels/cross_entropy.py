@@ -9,12 +9,10 @@ the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel 
 with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under ``softcap``
 (``x = c tanh(raw / c)``), the chain factor ``dx/draw = 1 - (x / c)^2``.
 
-Each row is split into chunks of CHUNK columns, one program a chunk, that exchange their
-partial logsumexp through a small scratch buffer; each program keeps its chunk in registers from
-the loss to the gradient. Two ways to run it:
+Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1 (read N*V, write N*V in all: the floor).
+  on the device when it is 1 (read N*V, write N*V in all).
 - recompute (reduction "none", whose upstream gradient is per row, and ``torch.compile``,
   whose functional ops cannot hand back an in-place gradient): the forward writes the loss
   and ``lse``; the backward reads the logits again and writes the gradient.
@@ -42,7 +40,6 @@ def _apply_softcap(x, softcap):
         "HAS_SMOOTHING": lambda args: args["label_smoothing"] > 0.0,
         "HAS_Z_LOSS": lambda args: args["z_loss_scale"] > 0.0,
         "HAS_SOFTCAP": lambda args: args["softcap"] > 0.0,
-        "SPLIT": lambda args: args["K"] > 1,
     }
 )
 @triton.jit
@@ -56,11 +53,8 @@ def _cross_entropy_kernel(
     loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
     z_ptr,  # (N,) fp32 out: coef * z_loss_scale * lse^2, if COMPUTE_LOSS
     lse_ptr,  # (N,) fp32: written if COMPUTE_LOSS, else read
-    partials_ptr,  # (N, K, 3) fp32 scratch: per chunk max, sum of exp, sum of x (if SPLIT)
-    arrivals_ptr,  # (N,) int32 zeros: chunks of the row that published their partials
     # shapes
     V,
-    K,  # chunks per row, cdiv(V, CHUNK)
     # strides
     stride_logits_n,
     stride_grad_n,
@@ -76,73 +70,53 @@ def _cross_entropy_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr,
-    CHUNK: tl.constexpr,
-    MAX_K: tl.constexpr,  # next power of 2 of K
+    BLOCK_V: tl.constexpr,
 ):
-    # Program (row, k) owns columns [k * CHUNK, (k+1) * CHUNK) of one row and keeps them in
-    # registers from the loss to the gradient: the logits are read from memory once and the
-    # gradient written once (2 * N * V element moves, the floor).
-    pid = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2**31 at LLM shapes
-    row = pid // K
-    k = pid % K
-    cols = k * CHUNK + tl.arange(0, CHUNK)
-    mask = cols < V
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2**31 at LLM shapes
+    logits_row = logits_ptr + row * stride_logits_n
     grad_row = grad_ptr + row * stride_grad_n
+    cols = tl.arange(0, BLOCK_V)
     coef = tl.load(coef_ptr + row)
 
     if coef != 0.0:
-        logits_row = logits_ptr + row * stride_logits_n
         target = tl.load(targets_ptr + row)
         # Labels are range-checked on the host unless tracing; here an out-of-range label
         # must not read out of bounds and must not pass silently: its loss and gradient are NaN.
         bad_target = (target < 0) | (target >= V)
         target = tl.where(bad_target, 0, target)
-        x = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            x = _apply_softcap(x, softcap)
 
         if COMPUTE_LOSS:
-            # Read before the first reduction's barrier and before this row's arrival: once
-            # every chunk has arrived, in-place gradients may overwrite the target's logit.
+            # Read before pass 1: its reductions are barriers that every warp passes before any
+            # warp starts pass 2, whose in-place gradient may overwrite the target's logit.
             x_target = tl.load(logits_row + target).to(tl.float32)
             if HAS_SOFTCAP:
                 x_target = _apply_softcap(x_target, softcap)
-            x_max = tl.max(tl.where(mask, x, float("-inf")), 0)
-            sum_exp = tl.sum(tl.where(mask, tl.exp(x - x_max), 0.0), 0)
-            x_sum = tl.sum(tl.where(mask, x, 0.0), 0)
-            if SPLIT:
-                # Publish this chunk's partials, then wait until every chunk of the row has.
-                # The K programs of a row are adjacent in launch order and K is far below the
-                # programs the GPU holds at once, so the ones waited for are resident or next.
-                part = partials_ptr + (row * K + k) * 3
-                tl.store(part, x_max)
-                tl.store(part + 1, sum_exp)
-                tl.store(part + 2, x_sum)
-                tl.debug_barrier()  # every thread's stores precede the release below
-                arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="release") + 1
-                while arrived < K:
-                    arrived = tl.atomic_add(arrivals_ptr + row, 0, sem="acquire")
-                ks = tl.arange(0, MAX_K)
-                part_row = partials_ptr + row * K * 3 + ks * 3
-                # volatile: the partials come from other multiprocessors, never from this L1
-                maxes = tl.load(part_row, mask=ks < K, other=float("-inf"), volatile=True)
-                sums = tl.load(part_row + 1, mask=ks < K, other=0.0, volatile=True)
-                x_sum = tl.sum(tl.load(part_row + 2, mask=ks < K, other=0.0, volatile=True), 0)
-                x_max = tl.max(maxes, 0)
-                sum_exp = tl.sum(sums * tl.exp(maxes - x_max), 0)
-            lse = x_max + tl.log(sum_exp)
-            if k == 0:
-                loss = lse - x_target
+            # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
+            m = tl.full((), float("-inf"), tl.float32)
+            s = tl.zeros((), tl.float32)
+            x_sum = tl.zeros((), tl.float32)
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = _apply_softcap(x, softcap)
+                x = tl.where(mask, x, float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
                 if HAS_SMOOTHING:
-                    loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x_sum / V)
-                z_term = 0.0
-                if HAS_Z_LOSS:
-                    z_term = z_loss_scale * lse * lse
-                loss = tl.where(bad_target, float("nan"), loss + z_term)
-                tl.store(loss_ptr + row, coef * loss)
-                tl.store(z_ptr + row, coef * z_term)
-                tl.store(lse_ptr + row, lse)
+                    x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
+            lse = m + tl.log(s)
+            loss = lse - x_target
+            if HAS_SMOOTHING:
+                loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x_sum / V)
+            z_term = 0.0
+            if HAS_Z_LOSS:
+                z_term = z_loss_scale * lse * lse
+            loss = tl.where(bad_target, float("nan"), loss + z_term)
+            tl.store(loss_ptr + row, coef * loss)
+            tl.store(z_ptr + row, coef * z_term)
+            tl.store(lse_ptr + row, lse)
         else:
             lse = tl.load(lse_ptr + row)
 
@@ -154,25 +128,35 @@ def _cross_entropy_kernel(
             p_scale = 1.0
             if HAS_Z_LOSS:
                 p_scale = 1.0 + 2.0 * z_loss_scale * lse  # d(z lse^2)/dx_j = 2 z lse p_j
-            d = tl.exp(x - lse) * p_scale
-            if HAS_SMOOTHING:
-                d -= label_smoothing / V
-            # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
-            d = tl.where(cols == target, d - (1.0 - label_smoothing), d)
-            if HAS_SOFTCAP:
-                d *= 1.0 - (x / softcap) * (x / softcap)
-            # Every element was loaded into registers above, so grad_ptr may alias the logits.
-            tl.store(grad_row + cols, (g * d).to(grad_ptr.dtype.element_ty), mask=mask)
+            # Pass 2, read N*V (mostly from L2 right after pass 1) and write N*V. Each element
+            # is read before it is written by the same thread, so grad_ptr may alias logits.
+            for start in range(0, V, BLOCK_V):
+                mask = start + cols < V
+                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x = _apply_softcap(x, softcap)
+                d = tl.exp(x - lse) * p_scale
+                if HAS_SMOOTHING:
+                    d -= label_smoothing / V
+                # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
+                d = tl.where(start + cols == target, d - (1.0 - label_smoothing), d)
+                if HAS_SOFTCAP:
+                    d *= 1.0 - (x / softcap) * (x / softcap)
+                tl.store(
+                    grad_row + start + cols,
+                    (g * d).to(grad_ptr.dtype.element_ty),
+                    mask=mask,
+                )
     else:
         # Not a target: no loss, a zero gradient, and the logits are never read.
         if COMPUTE_LOSS:
-            if k == 0:
-                tl.store(loss_ptr + row, 0.0)
-                tl.store(z_ptr + row, 0.0)
-                tl.store(lse_ptr + row, 0.0)
+            tl.store(loss_ptr + row, 0.0)
+            tl.store(z_ptr + row, 0.0)
+            tl.store(lse_ptr + row, 0.0)
         if COMPUTE_GRAD:
-            zeros = tl.zeros((CHUNK,), tl.float32).to(grad_ptr.dtype.element_ty)
-            tl.store(grad_row + cols, zeros, mask=mask)
+            zeros = tl.zeros((BLOCK_V,), tl.float32).to(grad_ptr.dtype.element_ty)
+            for start in range(0, V, BLOCK_V):
+                tl.store(grad_row + start + cols, zeros, mask=start + cols < V)
 
 
 @triton.jit
@@ -206,65 +190,15 @@ def _scale_rows_kernel(
                 )
 
 
-def _launch_config(vocab_size: int, device: torch.device) -> dict:
-    """Columns per program (CHUNK) and warps for rows of ``vocab_size`` logits."""
-    if interpreting() or device.type != "cuda":
-        # The interpreter runs programs one after another, so the programs of a row could never
-        # wait for each other: one chunk per row there (the split path runs on GPUs only).
-        return dict(CHUNK=triton.next_power_of_2(vocab_size), num_warps=1)
-    # 16384 fp32 values over 8 warps is 64 registers a thread for the chunk: held from the
-    # loss to the gradient without spilling, with 32 KB of bf16 loads in flight per program.
-    return dict(CHUNK=min(triton.next_power_of_2(vocab_size), 16384), num_warps=8)
-
-
-def _launch(
-    logits: torch.Tensor,
-    grad: torch.Tensor | None,
-    targets: torch.Tensor,
-    coef: torch.Tensor,
-    grad_rows: torch.Tensor | None,
-    loss: torch.Tensor,
-    z_rows: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    compute_loss: bool,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
-) -> None:
-    n, vocab = logits.shape
-    if n == 0:
-        return
-    config = _launch_config(vocab, logits.device)
-    chunks = triton.cdiv(vocab, config["CHUNK"])
-    split = compute_loss and chunks > 1
-    partials = torch.empty((n, chunks, 3) if split else (1,), dtype=torch.float32, device=logits.device)
-    arrivals = torch.zeros(n if split else 1, dtype=torch.int32, device=logits.device)
-    _cross_entropy_kernel[(n * chunks,)](
-        logits_ptr=logits,
-        grad_ptr=grad if grad is not None else logits,
-        targets_ptr=targets,
-        coef_ptr=coef,
-        grad_out_ptr=grad_rows if grad_rows is not None else coef,
-        loss_ptr=loss,
-        z_ptr=z_rows,
-        lse_ptr=lse,
-        partials_ptr=partials,
-        arrivals_ptr=arrivals,
-        V=vocab,
-        K=chunks,
-        stride_logits_n=logits.stride(0),
-        stride_grad_n=grad.stride(0) if grad is not None else 0,
-        stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=float(softcap),
-        COMPUTE_LOSS=compute_loss,
-        COMPUTE_GRAD=grad is not None,
-        HAS_GRAD_OUT=grad_rows is not None,
-        MAX_K=triton.next_power_of_2(chunks),
-        **config,
-    )
+def _launch_config(vocab_size: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits."""
+    if interpreting():
+        # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
+        # the multi-block loop and its masked tail run at test-sized vocabularies.
+        return min(triton.next_power_of_2(vocab_size), 1024), 1
+    # Measured on an H200 at V=128256 (benchmarks/NOTES.md): 4096 columns over 8 warps beat
+    # larger blocks, persistent grids and L2 eviction hints.
+    return min(triton.next_power_of_2(vocab_size), 4096), 8
 
 
 def launch_forward(
@@ -287,14 +221,35 @@ def launch_forward(
     Returns:
         ``(loss, z, lse)``, each ``(N,)`` fp32.
     """
-    n = logits.shape[0]
+    n, vocab = logits.shape
     # three allocations, not views of one: custom-op outputs must not alias each other
     loss, z_rows, lse = (
         torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)
     )
-    _launch(
-        logits, grad, targets, coef, None, loss, z_rows, lse, compute_loss=True,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+    if n == 0:
+        return loss, z_rows, lse
+    block, num_warps = _launch_config(vocab)
+    _cross_entropy_kernel[(n,)](
+        logits_ptr=logits,
+        grad_ptr=grad if grad is not None else logits,
+        targets_ptr=targets,
+        coef_ptr=coef,
+        grad_out_ptr=coef,  # unused: HAS_GRAD_OUT=False
+        loss_ptr=loss,
+        z_ptr=z_rows,
+        lse_ptr=lse,
+        V=vocab,
+        stride_logits_n=logits.stride(0),
+        stride_grad_n=grad.stride(0) if grad is not None else 0,
+        stride_grad_out_n=0,
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=float(softcap),
+        COMPUTE_LOSS=True,
+        COMPUTE_GRAD=grad is not None,
+        HAS_GRAD_OUT=False,
+        BLOCK_V=block,
+        num_warps=num_warps,
     )
     return loss, z_rows, lse
 
@@ -318,9 +273,31 @@ def launch_backward(
         targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
         grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
     """
-    _launch(
-        logits, grad, targets, coef, grad_rows, lse, lse, lse, compute_loss=False,
-        label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap,
+    n, vocab = logits.shape
+    if n == 0:
+        return grad
+    block, num_warps = _launch_config(vocab)
+    _cross_entropy_kernel[(n,)](
+        logits_ptr=logits,
+        grad_ptr=grad,
+        targets_ptr=targets,
+        coef_ptr=coef,
+        grad_out_ptr=grad_rows,
+        loss_ptr=lse,  # unused: COMPUTE_LOSS=False
+        z_ptr=lse,
+        lse_ptr=lse,
+        V=vocab,
+        stride_logits_n=logits.stride(0),
+        stride_grad_n=grad.stride(0),
+        stride_grad_out_n=grad_rows.stride(0),
+        label_smoothing=float(label_smoothing),
+        z_loss_scale=float(z_loss_scale),
+        softcap=float(softcap),
+        COMPUTE_LOSS=False,
+        COMPUTE_GRAD=True,
+        HAS_GRAD_OUT=True,
+        BLOCK_V=block,
+        num_warps=num_warps,
     )
     return grad
 
@@ -330,6 +307,7 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
     n, vocab = grad.shape
     if n == 0:
         return
+    block, num_warps = _launch_config(vocab)
     if grad.is_cuda:
         programs = 4 * torch.cuda.get_device_properties(grad.device).multi_processor_count
     else:
@@ -340,8 +318,8 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
         N=n,
         V=vocab,
         stride_grad_n=grad.stride(0),
-        BLOCK_V=min(triton.next_power_of_2(vocab), 4096),
-        num_warps=8,
+        BLOCK_V=block,
+        num_warps=num_warps,
     )
 
 
