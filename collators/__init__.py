@@ -1,0 +1,26 @@
+"""Collators for packed multi-turn conversations with exact sequence boundaries.
+
+From conversations to batches: `tokenize_conversation` / `tokenize_dataset` (assistant-only labels),
+`pack_dataset` / `pack_stream` / `PackedIterableDataset` (best-fit-decreasing packing),
+`PackedCollator` / `PaddedCollator` (batches with `cu_seqlens`), and offline defaults
+(`load_default_dataset`, `load_default_tokenizer`) plus `load_messages_dataset` for other data.
+"""
+
+from .chat import tokenize_conversation, tokenize_dataset
+from .collate import PackedCollator, PaddedCollator
+from .data import load_default_dataset, load_default_tokenizer, load_messages_dataset
+from .packing import PackedIterableDataset, PackingStats, pack_dataset, pack_stream
+
+__all__ = [
+    "PackedCollator",
+    "PackedIterableDataset",
+    "PackingStats",
+    "PaddedCollator",
+    "load_default_dataset",
+    "load_default_tokenizer",
+    "load_messages_dataset",
+    "pack_dataset",
+    "pack_stream",
+    "tokenize_conversation",
+    "tokenize_dataset",
+]

@@ -1,0 +1,307 @@
+"""Conversations in the `messages` format to `input_ids` and assistant-only `labels`."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+
+# `{% generation %}` / `{%- generation -%}`: the template marks the assistant output itself.
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# Stands in for one assistant message's content when the template rewrites earlier turns (see
+# `_content_chars`): a private-use character no tokenizer merges with its neighbours' text.
+_SENTINEL = "\ue000"
+
+
+def tokenize_conversation(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    max_length: int | None = None,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    skip_no_assistant: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    **template_kwargs,
+) -> dict[str, list[int]] | None:
+    """Tokenize one conversation and label the tokens of every assistant turn.
+
+    `input_ids` are exactly `tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]`.
+    `labels` equal `input_ids` on the tokens the assistant produces, in every assistant turn of a
+    multi-turn conversation, including the token(s) that close each turn (`<|im_end|>`, `<|eot_id|>`,
+    `</s>`, `<end_of_turn>`, ...) so the model learns to stop; they are `ignore_index` on system, user
+    and tool turns and on the template's scaffolding (role headers, separators between turns).
+
+    How the assistant tokens are found:
+
+    - If the chat template has `{% generation %}` markers, the template's own mask
+      (`return_assistant_tokens_mask=True`) decides.
+    - Otherwise, for assistant message `i`, the conversation up to message `i - 1` is rendered with the
+      generation prompt and the conversation up to message `i` without it: the text between the two ends
+      is what the assistant turn adds. Its tokens are trained up to the last special token in it (the turn's
+      closing token); plain-text separators after that token are not. A template with no special token in
+      the turn has everything it adds trained.
+    - Templates that render earlier turns differently once later turns exist (so the renders above are not
+      prefixes of the full conversation) fall back to locating the message's content in the full render; the
+      trained tokens are then the content plus the closing special token that follows it (whitespace in between
+      included). Tool calls of such templates are only found through generation markers.
+
+    Args:
+        tokenizer (`transformers.PreTrainedTokenizerBase`):
+            Any tokenizer with a chat template. Without generation markers a fast tokenizer is needed
+            (character offsets).
+        messages (`list[dict]`):
+            The conversation: `[{"role": ..., "content": ...}, ...]`. An assistant message may carry
+            `tool_calls` instead of `content`.
+        max_length (`int`, *optional*):
+            Keep only the first `max_length` tokens (labels cut at the same place).
+        tools (`list[dict]`, *optional*):
+            Tool schemas, passed to the chat template.
+        chat_template (`str`, *optional*):
+            A template to use instead of `tokenizer.chat_template`.
+        skip_no_assistant (`bool`, *optional*, defaults to `False`):
+            A conversation without an assistant turn has nothing to learn from: raise a `ValueError` (default)
+            or return `None` so the caller can count and skip it (as `tokenize_dataset` does).
+        ignore_index (`int`, *optional*, defaults to -100):
+            The label of tokens that are not trained.
+        **template_kwargs:
+            Extra variables for the chat template.
+
+    Returns:
+        `dict` with `input_ids` and `labels`, two lists of ints of the same length, or `None` for a skipped
+        conversation.
+
+    Raises:
+        `ValueError`: the tokenizer has no chat template, a message lacks `role` or `content`, the
+        conversation has no assistant turn (unless skipped), or an assistant turn cannot be located.
+
+    Example:
+
+    >>> from collators import load_default_tokenizer, tokenize_conversation
+    >>> tokenizer = load_default_tokenizer()
+    >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    >>> example = tokenize_conversation(tokenizer, messages)
+    >>> tokenizer.decode(example["input_ids"])
+    '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n'
+    >>> tokenizer.decode([t for t in example["labels"] if t != -100])
+    'Hello<|im_end|>'
+    """
+    template = _resolve_template(tokenizer, chat_template, tools)
+    _check_messages(messages)
+    messages = [dict(message) for message in messages]
+    assistant_turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if not assistant_turns:
+        if skip_no_assistant:
+            return None
+        raise ValueError(
+            "`messages` has no assistant turn, so there is nothing to train on "
+            "(pass skip_no_assistant=True to skip such conversations)."
+        )
+
+    render_kwargs = dict(template_kwargs, tools=tools, chat_template=chat_template)
+    if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
+        encoding = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **render_kwargs
+        )
+        input_ids = list(encoding["input_ids"])
+        labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
+    else:
+        input_ids, labels = _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index)
+
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def tokenize_dataset(
+    dataset,
+    tokenizer,
+    *,
+    max_length: int | None = None,
+    messages_column: str = "messages",
+    skip_no_assistant: bool = True,
+    num_proc: int | None = None,
+    **kwargs,
+):
+    """Tokenize every conversation of a `datasets.Dataset` with `tokenize_conversation`.
+
+    Args:
+        dataset (`datasets.Dataset`): has a column of conversations in the `messages` format.
+        tokenizer (`transformers.PreTrainedTokenizerBase`): any tokenizer with a chat template.
+        max_length (`int`, *optional*): keep only the first `max_length` tokens of each conversation. Leave it
+            unset when packing: `pack_dataset` counts and reports over-long conversations itself.
+        messages_column (`str`, *optional*, defaults to `"messages"`): the column holding the conversations.
+        skip_no_assistant (`bool`, *optional*, defaults to `True`): drop conversations without an assistant
+            turn; their number is logged as a warning. With `False` they raise.
+        num_proc (`int`, *optional*): processes for `datasets.Dataset.map`.
+        **kwargs: passed to `tokenize_conversation` (`tools`, `chat_template`, template variables).
+
+    Returns:
+        `datasets.Dataset` with the columns `input_ids` and `labels` (lists of ints), one row per kept
+        conversation, in the input order.
+
+    Example:
+
+    >>> from datasets import Dataset
+    >>> from collators import load_default_tokenizer, tokenize_dataset
+    >>> conversations = Dataset.from_dict({"messages": [
+    ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+    ...     [{"role": "user", "content": "Anyone there?"}],
+    ... ]})
+    >>> tokenized = tokenize_dataset(conversations, load_default_tokenizer())
+    >>> tokenized.num_rows, tokenized.column_names
+    (1, ['input_ids', 'labels'])
+    """
+    if messages_column not in dataset.column_names:
+        raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
+
+    def tokenize_batch(batch):
+        out = {"input_ids": [], "labels": [], "_kept": []}
+        for messages in batch[messages_column]:
+            example = tokenize_conversation(
+                tokenizer, messages, max_length=max_length, skip_no_assistant=skip_no_assistant, **kwargs
+            )
+            out["_kept"].append(example is not None)
+            out["input_ids"].append(example["input_ids"] if example else [])
+            out["labels"].append(example["labels"] if example else [])
+        return out
+
+    tokenized = dataset.map(
+        tokenize_batch, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Tokenizing"
+    )
+    kept = tokenized["_kept"]
+    num_skipped = len(kept) - sum(kept)
+    if num_skipped:
+        logger.warning("Skipped %d of %d conversations that have no assistant turn.", num_skipped, len(kept))
+        tokenized = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
+    return tokenized.remove_columns("_kept")
+
+
+def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
+    if chat_template is not None:
+        return chat_template
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "`tokenizer` has no chat template: set `tokenizer.chat_template` or pass `chat_template=`."
+        )
+    # A tokenizer may hold several named templates (e.g. "default" and "tool_use").
+    return tokenizer.get_chat_template(None, tools)
+
+
+def _check_messages(messages) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise ValueError("`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise ValueError(f"`messages[{index}]` has no 'role': {message!r}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise ValueError(f"`messages[{index}]` has no 'content' (nor 'tool_calls'): {message!r}")
+
+
+def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **render_kwargs
+    )
+
+
+def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index):
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} markers: "
+            "locating the assistant tokens needs one or the other."
+        )
+    text = _render(tokenizer, messages, render_kwargs)
+    # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    offsets = [tuple(span) for span in encoding["offset_mapping"]]
+    token_at = [-1] * len(text)
+    for token, (start, end) in enumerate(offsets):
+        token_at[start:end] = [token] * (end - start)
+    special_ids = set(tokenizer.all_special_ids)
+    special_ids.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    is_special = [token in special_ids for token in input_ids]
+
+    labels = [ignore_index] * len(input_ids)
+    for turn in assistant_turns:
+        span = _turn_span(tokenizer, messages, turn, text, render_kwargs)
+        if span is not None:
+            first, last = _tokens_in(token_at, *span)
+            # The turn ends with its closing special token; separators rendered after it belong to the
+            # template's layout between turns and are not trained.
+            specials = [t for t in range(first, last + 1) if is_special[t]]
+            if specials:
+                last = specials[-1]
+        else:
+            start, end = _content_chars(tokenizer, messages, turn, text, render_kwargs)
+            first, last = _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn)
+        labels[first : last + 1] = input_ids[first : last + 1]
+    return input_ids, labels
+
+
+def _turn_span(tokenizer, messages, turn, text, render_kwargs):
+    """Characters that assistant message `turn` adds after its generation prompt, or None."""
+    if turn == 0:
+        return None
+    head = _render(tokenizer, messages[:turn], render_kwargs, add_generation_prompt=True)
+    body = text if turn == len(messages) - 1 else _render(tokenizer, messages[: turn + 1], render_kwargs)
+    if not (body.startswith(head) and text.startswith(body)) or len(body) == len(head):
+        return None
+    return len(head), len(body)
+
+
+def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int, int]:
+    """Characters of message `turn`'s content in the full render, found by rendering a stand-in instead."""
+    stand_in = [dict(message) for message in messages]
+    stand_in[turn]["content"] = _SENTINEL
+    stand_in[turn].pop("tool_calls", None)
+    other = _render(tokenizer, stand_in, render_kwargs)
+    start = _common_prefix(text, other)
+    suffix = _common_prefix(text[start:][::-1], other[start:][::-1])
+    if other[start : len(other) - suffix] != _SENTINEL:
+        raise ValueError(
+            f"Cannot locate assistant message {turn} of `messages` in the rendered conversation: the chat template "
+            "rewrites earlier turns and does not render this message's content verbatim. Add {% generation %} "
+            "markers around the assistant output in the template."
+        )
+    return start, len(text) - suffix
+
+
+def _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn) -> tuple[int, int]:
+    if end > start:
+        first, last = _tokens_in(token_at, start, end)
+        probe = last + 1
+    else:
+        first = last = None
+        probe = next((t for t, (s, _) in enumerate(offsets) if s >= start), len(offsets))
+    # Walk to the closing special token: whitespace may come first; anything else means the template
+    # closes the turn with plain text, which stays untrained.
+    while probe < len(offsets):
+        if is_special[probe]:
+            return (probe if first is None else first), probe
+        if text[offsets[probe][0] : offsets[probe][1]].strip():
+            break
+        probe += 1
+    if first is None:
+        raise ValueError(f"Assistant message {turn} of `messages` renders to no tokens.")
+    return first, last
+
+
+def _tokens_in(token_at, start: int, end: int) -> tuple[int, int]:
+    """First and last token overlapping characters [start, end) (zero-width tokens between them included)."""
+    covered = [t for t in token_at[start:end] if t >= 0]
+    return covered[0], covered[-1]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

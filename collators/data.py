@@ -1,0 +1,182 @@
+"""Data that works offline: the English dialogues of `chatterbot-corpus` and a small BPE tokenizer trained on them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from importlib import metadata, resources
+from pathlib import Path
+
+from .templates import CHATML_TEMPLATE
+
+DEFAULT_VOCAB_SIZE = 3072
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Bump when the training recipe changes, so a stale cached tokenizer is never picked up.
+_TOKENIZER_RECIPE = "bytelevel-bpe-v1"
+
+
+def load_default_dataset(*, system_prompt: bool = True):
+    """The English conversations of the `chatterbot-corpus` package as a `datasets.Dataset`.
+
+    Each conversation of the corpus is a list of utterances; they become alternating `user` and `assistant`
+    turns, starting with the user. A trailing user utterance without an answer is left out, and so are the
+    conversations that have no answer at all (none in the English corpus). With `system_prompt=True` every
+    conversation opens with a system turn naming its category.
+
+    Args:
+        system_prompt (`bool`, *optional*, defaults to `True`): add the system turn.
+
+    Returns:
+        `datasets.Dataset` with the columns `messages` (list of `{"role", "content"}` dicts) and `category`
+        (str), in a fixed order (files sorted by name, conversations in file order).
+
+    Example:
+
+    >>> from collators import load_default_dataset
+    >>> dataset = load_default_dataset()
+    >>> dataset.num_rows
+    2026
+    >>> [m["role"] for m in dataset[0]["messages"]]
+    ['system', 'user', 'assistant']
+    """
+    import datasets
+
+    rows = {"messages": [], "category": []}
+    for category, utterances in _corpus_conversations():
+        turns = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": text}
+            for i, text in enumerate(utterances[: len(utterances) // 2 * 2])
+        ]
+        if not turns:
+            continue
+        if system_prompt:
+            turns.insert(0, {"role": "system", "content": f"You are a friendly assistant. Topic: {category}."})
+        rows["messages"].append(turns)
+        rows["category"].append(category)
+    return datasets.Dataset.from_dict(rows)
+
+
+def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None):
+    """A byte-level BPE tokenizer trained on the `chatterbot-corpus` dialogues, with a ChatML chat template.
+
+    Training is deterministic and takes about a second; the result is cached in `cache_dir`, else
+    `$PACKED_CE_CACHE`, else `~/.cache/packed_ce`, under a name that changes with the corpus version and the
+    recipe. Special tokens: `<|endoftext|>` (padding), `<|im_start|>`, `<|im_end|>` (end of turn and
+    `eos_token`). The chat template (`collators.templates.CHATML_TEMPLATE`) marks each assistant turn,
+    `<|im_end|>` included, with `{% generation %}`.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 3072): size of the vocabulary, special tokens included.
+        cache_dir (`str` or `os.PathLike`, *optional*): where to keep the trained tokenizer.
+
+    Returns:
+        `transformers.PreTrainedTokenizerFast`.
+
+    Example:
+
+    >>> from collators import load_default_tokenizer
+    >>> tokenizer = load_default_tokenizer()
+    >>> len(tokenizer), tokenizer.pad_token, tokenizer.eos_token
+    (3072, '<|endoftext|>', '<|im_end|>')
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    corpus_version = metadata.version("chatterbot-corpus")
+    key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
+    root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")
+    path = root / f"chatterbot-bpe-{vocab_size}-{key}.json"
+    if path.exists():
+        backend = Tokenizer.from_file(str(path))
+    else:
+        backend = _train_tokenizer(vocab_size)
+        root.mkdir(parents=True, exist_ok=True)
+        # Write then rename: DataLoader workers or parallel test runs may build it at the same time.
+        with tempfile.NamedTemporaryFile("w", dir=root, suffix=".tmp", delete=False) as handle:
+            handle.write(backend.to_str())
+        os.replace(handle.name, path)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def load_messages_dataset(
+    name_or_path: str | os.PathLike, *, split: str = "train", messages_column: str = "messages", **kwargs
+):
+    """A data set in the `messages` format, from a local JSON/JSONL file or folder, or a hub name.
+
+    Args:
+        name_or_path (`str` or `os.PathLike`): a `.json` or `.jsonl` file with one conversation per record
+            (`{"messages": [{"role": ..., "content": ...}, ...]}`), a local folder, or a data set name for
+            `datasets.load_dataset`.
+        split (`str`, *optional*, defaults to `"train"`): the split to load.
+        messages_column (`str`, *optional*, defaults to `"messages"`): the column holding the conversations;
+            it is renamed to `messages`.
+        **kwargs: passed to `datasets.load_dataset`.
+
+    Returns:
+        `datasets.Dataset` with a `messages` column.
+
+    Example:
+
+    >>> import json, tempfile
+    >>> from collators import load_messages_dataset
+    >>> record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+    ...     _ = f.write(json.dumps(record) + "\\n")
+    >>> load_messages_dataset(f.name)[0]["messages"][1]
+    {'role': 'assistant', 'content': 'Hello'}
+    """
+    import datasets
+
+    path = Path(name_or_path)
+    if path.is_file() and path.suffix in (".json", ".jsonl"):
+        dataset = datasets.load_dataset("json", data_files=str(path), split=split, **kwargs)
+    else:
+        dataset = datasets.load_dataset(str(name_or_path), split=split, **kwargs)
+    if messages_column not in dataset.column_names:
+        raise ValueError(
+            f"`name_or_path` {str(name_or_path)!r} has no column {messages_column!r}; "
+            f"its columns are {dataset.column_names}."
+        )
+    if messages_column != "messages":
+        dataset = dataset.rename_column(messages_column, "messages")
+    return dataset
+
+
+def _corpus_conversations():
+    """(category, utterances) for every English conversation of the corpus, files sorted by name."""
+    import yaml
+
+    english = resources.files("chatterbot_corpus") / "data" / "english"
+    for entry in sorted(english.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".yml"):
+            continue
+        document = yaml.safe_load(entry.read_text(encoding="utf-8"))
+        category = str(document.get("categories", [Path(entry.name).stem])[0])
+        for utterances in document.get("conversations") or []:
+            yield category, [str(u).strip() for u in utterances]
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Untrimmed offsets: whitespace tokens keep their characters, which the offset-based labelling relies on.
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = ["system\nuser\nassistant\ntool\n"]
+    texts += ["\n".join(utterances) for _, utterances in _corpus_conversations()]
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
