@@ -29,13 +29,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
-# On a CUDA machine: the compiled kernels, fp32 and bf16, large shapes, torch.compile.
+# On a CUDA machine, with torch/triton/transformers already there (no venv): the compiled
+# kernels in fp32/bf16/fp16, N*V > 2**31, torch.compile, and the GPU end-to-end tests.
 test-gpu:
-	$(PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests
 
+# On a CUDA machine: results (JSON + PNG) go to benchmarks/results/, then the README table.
 bench:
-	$(PYTHON) benchmarks/bench_cross_entropy.py
-	$(PYTHON) benchmarks/bench_fused_linear.py
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_cross_entropy.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_fused_linear.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/make_tables.py --readme
 
 notebook: $(STAMP)
 	$(PY) notebooks/execute.py

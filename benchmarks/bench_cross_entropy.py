@@ -1,0 +1,706 @@
+"""Forward+backward of ``packed_ce.cross_entropy`` against eager PyTorch, torch.compile and
+Liger-Kernel, with the device's two ceilings measured in the same run.
+
+On a GPU machine, from the repository root::
+
+    PYTHONPATH=. python benchmarks/bench_cross_entropy.py            # ceilings, headline, sweep
+    PYTHONPATH=. python benchmarks/bench_cross_entropy.py --quick    # a smaller sweep
+    PYTHONPATH=. python benchmarks/bench_cross_entropy.py --configs  # launch-config table
+    PYTHONPATH=. python benchmarks/bench_cross_entropy.py --smoke    # CPU + Triton interpreter
+
+Cross entropy over a large vocabulary is memory-bound: the least traffic is reading the logits
+once and writing their gradient once, ``2 * N * V * itemsize`` bytes (4*N*V in bf16). Every time
+is set against that floor at the device-to-device copy rate measured in the same run.
+
+What is timed is one training step's worth of loss work: the call, then ``loss.backward()``
+into a leaf ``logits`` whose ``.grad`` was reset. Before each call the logits are redrawn from a
+normal distribution (untimed): in-place kernels (``inplace_backward=True``, Liger-Kernel)
+overwrite them, and random data, unlike zeros, runs at the speed real data does.
+
+packed_ce gets the aligned labels with ``shift=True`` and ``cu_seqlens``, and does the shift and
+the per-sequence weights itself; the peers get the labels already shifted (the same target rows)
+and average per token. packed_ce rows use ``validate=False`` (no host sync) unless marked.
+cut-cross-entropy has no logits-input loss (it fuses the classifier matmul with the loss), so it
+is measured by ``bench_fused_linear.py``, not here.
+
+Writes ``<out>/cross_entropy[_quick|_configs|_smoke]_<device>.json`` (and a ``.png`` plot for
+runs with a headline) and prints the tables, the headline last.
+
+Dimensions: N tokens, V vocabulary, S sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+# The Triton interpreter is chosen when the kernels are defined, that is when packed_ce is
+# imported, so --smoke must set it first.
+if "--smoke" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import packed_ce  # noqa: E402
+from packed_ce.kernels import cross_entropy as ce_kernels  # noqa: E402
+
+import common  # noqa: E402
+import make_tables  # noqa: E402
+from common import GiB  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+IGNORE_INDEX = -100
+DISTRIBUTIONS = ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy", "numpy")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and repetitions of one run: the GPU plans below, or the tiny CPU one."""
+
+    headline: tuple[int, int, torch.dtype]  # (N, V, dtype)
+    vocabs: tuple[int, ...]
+    tokens: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    max_pair_bytes: int  # combos whose logits + gradient exceed this are skipped
+    seconds: float  # sweep combos not started this long after the run began are skipped
+    copy_bytes: int
+    matmul_n: int
+    headline_reps: int
+    warmup: int
+    configs: tuple[tuple[int, int], ...]  # (columns per program, num_warps) for --configs
+
+
+def _config_grid() -> tuple[tuple[int, int], ...]:
+    # Blocks of powers of two; num_warps such that each thread holds 4 to 64 elements of a
+    # block: fewer leave loads narrower than 16 bytes, more spill registers.
+    return tuple(
+        (block, warps)
+        for block in (2048, 4096, 8192, 16384, 32768)
+        for warps in (4, 8, 16, 32)
+        if 4 <= block // (32 * warps) <= 64
+    )
+
+
+GPU_PLAN = Plan(
+    headline=(8192, 128256, torch.bfloat16),
+    vocabs=(32000, 128256, 151936, 262144),  # Llama-2, Llama-3, Qwen-2, Gemma-3
+    tokens=(2048, 8192, 32768),
+    dtypes=(torch.bfloat16, torch.float32),
+    max_pair_bytes=60 * GiB,
+    seconds=190.0,  # the whole run then ends near 3.5 minutes on an H100 at worst
+    copy_bytes=2 * GiB,
+    matmul_n=8192,
+    headline_reps=40,
+    warmup=3,
+    configs=_config_grid(),
+)
+QUICK_PLAN = dataclasses.replace(
+    GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0
+)
+# Tiny sizes for the interpreter: V not a power of two (a masked tail), and one combo over
+# max_pair_bytes so the skip path runs too.
+SMOKE_PLAN = Plan(
+    headline=(48, 1500, torch.bfloat16),
+    vocabs=(300, 1500),
+    tokens=(32, 48),
+    dtypes=(torch.bfloat16, torch.float32),
+    max_pair_bytes=2 * 48 * 1500 * 4 - 1,
+    seconds=600.0,
+    copy_bytes=2**23,
+    matmul_n=256,
+    headline_reps=3,
+    warmup=1,
+    # one block per row: should the kernel split rows over programs that wait for each other,
+    # the interpreter, which runs programs one by one, could not run a split row
+    configs=((2048, 1), (4096, 1)),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass
+class Problem:
+    """One packed batch: logits and the labels in both conventions."""
+
+    logits: torch.Tensor  # (N, V) leaf, requires grad; redrawn before every call
+    labels: torch.Tensor  # (N,) int64, aligned with the inputs (shift=True convention)
+    cu_seqlens: torch.Tensor  # (S+1,) int32
+    targets: torch.Tensor  # (N,) int64, labels after the shift: what the peers are given
+
+    @property
+    def floor_bytes(self) -> int:
+        # read the logits once, write the gradient once
+        return 2 * self.logits.numel() * self.logits.element_size()
+
+    def refresh(self) -> None:
+        """Fresh random logits and no gradient (untimed, before every call)."""
+        self.logits.grad = None
+        with torch.no_grad():
+            self.logits.normal_()
+
+    def describe(self) -> dict:
+        n, vocab = self.logits.shape
+        return {
+            "n": n,
+            "vocab": vocab,
+            "dtype": str(self.logits.dtype).removeprefix("torch."),
+            "sequences": self.cu_seqlens.numel() - 1,
+            "ignored_fraction": round((self.targets == IGNORE_INDEX).float().mean().item(), 3),
+            "floor_bytes": self.floor_bytes,
+            "n_times_v_over_2_31": n * vocab > 2**31,
+        }
+
+
+def random_packing(n: int, generator: torch.Generator) -> torch.Tensor:
+    """``cu_seqlens`` of 8 to 20 sequences of random lengths filling ``n`` tokens (int32)."""
+    sequences = int(torch.randint(8, 21, (), generator=generator))
+    cuts = torch.randperm(n - 1, generator=generator)[: sequences - 1] + 1
+    bounds = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([n])])
+    return bounds.to(torch.int32)
+
+
+def sft_labels(vocab: int, cu_seqlens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random labels with each sequence's prompt (10-30% of it, at least its first token)
+    ignored, as a supervised fine-tuning collator leaves them."""
+    n = int(cu_seqlens[-1])
+    labels = torch.randint(0, vocab, (n,), generator=generator)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        prompt = float(torch.empty(()).uniform_(0.1, 0.3, generator=generator))
+        labels[start : start + max(1, int(prompt * (end - start)))] = IGNORE_INDEX
+    return labels
+
+
+def shifted_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Target of token t = label of t+1 within its sequence; the last token of each has none."""
+    targets = torch.roll(labels, -1)
+    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX
+    return targets
+
+
+def make_problem(n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> Problem:
+    generator = torch.Generator().manual_seed(n * 1_000_003 + vocab)
+    cu_seqlens = random_packing(n, generator)
+    labels = sft_labels(vocab, cu_seqlens, generator)
+    logits = torch.empty(n, vocab, dtype=dtype, device=device).normal_().requires_grad_()
+    return Problem(
+        logits=logits,
+        labels=labels.to(device),
+        cu_seqlens=cu_seqlens.to(device),
+        targets=shifted_targets(labels, cu_seqlens).to(device),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# What is timed
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str  # stable name in the JSON and the tables
+    label: str
+    loss: Callable[[Problem], torch.Tensor] | None  # None: skipped, for the reason below
+    skipped: str | None = None
+    # entered around each step: LaunchConfigs.forced for the --configs table
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def packed_ce_loss(*, is_packed: bool, inplace: bool = False, validate: bool = False):
+    def loss(p: Problem) -> torch.Tensor:
+        return packed_ce.cross_entropy(
+            p.logits,
+            p.labels,
+            cu_seqlens=p.cu_seqlens,
+            is_packed=is_packed,
+            shift=True,
+            inplace_backward=inplace,
+            validate=validate,
+            backend="triton",  # "auto" would take the PyTorch reference on CPU (--smoke)
+        )
+
+    return loss
+
+
+def float_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # The common training recipe: upcast, then PyTorch's log_softmax + nll.
+    return F.cross_entropy(logits.float(), targets)
+
+
+def load_liger():
+    """Liger-Kernel's cross entropy as ``f(logits, targets) -> loss``, or why it cannot run.
+
+    Its Triton kernels run through the interpreter too, so --smoke checks this path where the
+    package is installed.
+    """
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+    except Exception as error:
+        return None, common.error_text(error)
+
+    # Newer versions take class weights third, with no default; older ones ignore_index.
+    parameters = inspect.signature(LigerCrossEntropyFunction.forward).parameters
+    weight = (None,) if "weight" in parameters else ()
+
+    def loss(logits, targets):
+        # Defaults otherwise: ignore_index=-100, reduction "mean". It writes the gradient into
+        # the logits during forward; versions return the loss alone or first in a tuple.
+        out = LigerCrossEntropyFunction.apply(logits, targets, *weight)
+        return out[0] if isinstance(out, tuple) else out
+
+    return loss, None
+
+
+def peer_variants(device: torch.device, compile_dynamic: bool) -> list[Variant]:
+    """torch.compile and Liger-Kernel; a peer that cannot run is kept as a skipped row."""
+    # Inductor needs a GPU or a C++ toolchain; on CPU the traced graph runs eagerly, which is
+    # enough to check the code path.
+    backend = "inductor" if device.type == "cuda" else "eager"
+    compiled = torch.compile(float_cross_entropy, dynamic=compile_dynamic, backend=backend)
+    liger, liger_error = load_liger()
+    compile_label = "torch.compile F.cross_entropy(x.float())"
+    return [
+        Variant(
+            "compile_fp32",
+            compile_label + (" (dynamic shapes)" if compile_dynamic else ""),
+            lambda p: compiled(p.logits, p.targets),
+        ),
+        Variant(
+            "liger",
+            "Liger-Kernel cross entropy",
+            None if liger is None else (lambda p: liger(p.logits, p.targets)),
+            skipped=liger_error,
+        ),
+    ]
+
+
+def headline_variants(device: torch.device) -> list[Variant]:
+    return [
+        Variant("ours_packed", "packed_ce is_packed=True", packed_ce_loss(is_packed=True)),
+        Variant(
+            "ours_packed_inplace",
+            "packed_ce is_packed=True, inplace_backward",
+            packed_ce_loss(is_packed=True, inplace=True),
+        ),
+        Variant(
+            "ours_packed_validate",
+            "packed_ce is_packed=True, validate=True (default)",
+            packed_ce_loss(is_packed=True, validate=True),
+        ),
+        Variant("ours_unpacked", "packed_ce is_packed=False", packed_ce_loss(is_packed=False)),
+        Variant(
+            "ours_unpacked_inplace",
+            "packed_ce is_packed=False, inplace_backward",
+            packed_ce_loss(is_packed=False, inplace=True),
+        ),
+        Variant(
+            "eager_fp32",
+            "eager F.cross_entropy(x.float())",
+            lambda p: float_cross_entropy(p.logits, p.targets),
+        ),
+        Variant(
+            "eager_native",
+            "eager F.cross_entropy(x), input dtype",
+            lambda p: F.cross_entropy(p.logits, p.targets),
+        ),
+        *peer_variants(device, compile_dynamic=False),
+        Variant(
+            "cut_cross_entropy",
+            "cut-cross-entropy",
+            None,
+            skipped="fuses the classifier matmul with the loss, no logits input: "
+            "see bench_fused_linear.py",
+        ),
+    ]
+
+
+def sweep_variants(device: torch.device) -> list[Variant]:
+    # Dynamic shapes: one compilation serves the whole grid; static shapes would recompile for
+    # each of the 24 shapes, minutes of the run. The headline has the static-shape number.
+    return [
+        Variant("ours_packed", "packed_ce is_packed=True", packed_ce_loss(is_packed=True)),
+        Variant("ours_unpacked", "packed_ce is_packed=False", packed_ce_loss(is_packed=False)),
+        *peer_variants(device, compile_dynamic=True),
+    ]
+
+
+class LaunchConfigs:
+    """Reads and overrides ``packed_ce.kernels.cross_entropy._launch_config``.
+
+    The kernel module is being tuned, so its launch config comes in two forms: ``(vocab_size)``
+    returning ``(BLOCK_V, num_warps)``, or ``(vocab_size, device)`` returning a dict of kernel
+    keywords (columns per program and ``num_warps``). Configs here are dicts in either case;
+    an override returns the form the module uses.
+    """
+
+    def __init__(self, vocab: int, device: torch.device):
+        takes_device = len(inspect.signature(ce_kernels._launch_config).parameters) > 1
+        current = ce_kernels._launch_config(*((vocab, device) if takes_device else (vocab,)))
+        self.as_dict = isinstance(current, dict)
+        names = ("BLOCK_V", "num_warps")
+        self.current = dict(current) if self.as_dict else dict(zip(names, current))
+        self.block_key = next(key for key in self.current if key != "num_warps")
+
+    def make(self, block: int, warps: int) -> dict:
+        return {self.block_key: block, "num_warps": warps}
+
+    @contextlib.contextmanager
+    def forced(self, config: dict):
+        """packed_ce's kernel launches with ``config`` while inside; restored on exit."""
+        value = dict(config) if self.as_dict else tuple(config.values())
+        original = ce_kernels._launch_config
+        ce_kernels._launch_config = lambda *args, **kwargs: value
+        try:
+            yield
+        finally:
+            ce_kernels._launch_config = original
+
+
+def _config_text(config: dict) -> str:
+    return ", ".join(f"{name}={value}" for name, value in config.items())
+
+
+def config_variants(configs: LaunchConfigs, grid) -> list[Variant]:
+    """packed_ce is_packed=True under each (block, num_warps) of ``grid``, and once as it
+    launches now (the same numbers as its twin in the grid, unless forcing changes something)."""
+    forced = [
+        Variant(
+            "_".join(f"{name}{value}" for name, value in config.items()),
+            _config_text(config),
+            packed_ce_loss(is_packed=True),
+            context=functools.partial(configs.forced, config),
+        )
+        for config in (configs.make(block, warps) for block, warps in grid)
+    ]
+    current = "as launched now: " + _config_text(configs.current)
+    return forced + [Variant("current", current, packed_ce_loss(is_packed=True))]
+
+
+def make_step(variant: Variant, problem: Problem) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        with variant.context():
+            loss = variant.loss(problem)
+            loss.backward()
+        return loss.detach()
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+
+
+def release_memory(problem: Problem, device: torch.device) -> None:
+    problem.logits.grad = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _warmed_steps(
+    problem: Problem, variants: list[Variant], rows: dict, *, warmup: int, device: torch.device
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """The steps that ran their warm-up calls; the others get a skipped or error row."""
+    steps = {}
+    for variant in variants:
+        row = rows[variant.key]
+        if variant.loss is None:
+            row.update(status="skipped", reason=variant.skipped)
+            continue
+        step = make_step(variant, problem)
+        try:
+            common.warm_up(step, setup=problem.refresh, calls=warmup, device=device)
+        except Exception as error:  # a peer that fails (OOM, unsupported shape) stays a row
+            row.update(status="error", reason=common.error_text(error))
+            release_memory(problem, device)
+            continue
+        steps[variant.key] = step
+    return steps
+
+
+def measure(
+    problem: Problem,
+    variants: list[Variant],
+    *,
+    reps: int,
+    warmup: int,
+    device: torch.device,
+    copy_gbps: float,
+    memory: bool = True,
+) -> list[dict]:
+    """One row per variant: median time, bandwidth against the floor, extra memory, loss."""
+    shape = problem.describe()
+    grad_bytes = problem.logits.numel() * problem.logits.element_size()
+    rows = {v.key: {"key": v.key, "label": v.label, **shape} for v in variants}
+    steps = _warmed_steps(problem, variants, rows, warmup=warmup, device=device)
+    timings = common.time_calls(steps, setup=problem.refresh, reps=reps, device=device)
+    for key, timing in timings.items():
+        row = rows[key]
+        if "error" in timing:
+            row.update(status="error", reason=timing["error"])
+        else:
+            gbps = problem.floor_bytes / timing["median_ms"] / 1e6
+            row.update(status="ok", **timing, gbps=gbps, fraction_of_copy=gbps / copy_gbps)
+        if memory and row["status"] == "ok":
+            try:
+                extra, loss = common.extra_memory_bytes(
+                    steps[key], setup=problem.refresh, device=device
+                )
+            except Exception as error:
+                row.update(memory_error=common.error_text(error))
+            else:
+                row.update(loss=float(loss))
+                if extra is not None:
+                    row.update(extra_bytes=extra, extra_grad_buffers=extra / grad_bytes)
+        release_memory(problem, device)
+    return list(rows.values())
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((value.double() - reference.double()).norm() / reference.double().norm()).item()
+
+
+def check_headline(problem: Problem) -> dict:
+    """packed_ce's loss and gradient against PyTorch in float32 on the headline inputs.
+
+    Untimed; a kernel that computes the wrong thing must not be reported as a fast one. The
+    unpacked loss is compared with ``F.cross_entropy``, the packed one with packed_ce's own
+    PyTorch reference.
+    """
+    grad_tolerance = {torch.float32: 1e-4}.get(problem.logits.dtype, 1e-2)  # bf16/fp16 output
+    problem.refresh()
+    exact = problem.logits.detach().float().requires_grad_()
+    references = {
+        "unpacked": lambda: F.cross_entropy(exact, problem.targets),
+        "packed": lambda: packed_ce.cross_entropy(
+            exact, problem.labels, cu_seqlens=problem.cu_seqlens, is_packed=True, shift=True,
+            backend="torch",
+        ),
+    }
+    checks = {}
+    for name, reference in references.items():
+        ref_loss = reference()
+        (ref_grad,) = torch.autograd.grad(ref_loss, exact)
+        loss = packed_ce_loss(is_packed=name == "packed")(problem)
+        (grad,) = torch.autograd.grad(loss, problem.logits)
+        loss_error = relative_error(loss.detach(), ref_loss.detach())
+        grad_error = relative_error(grad, ref_grad)
+        checks[name] = {
+            "loss_rel_error": loss_error,
+            "grad_rel_error": grad_error,
+            "passed": loss_error < 1e-4 and grad_error < grad_tolerance,
+        }
+    return checks
+
+
+def packed_overhead(rows: list[dict], packed: str, unpacked: str) -> dict | None:
+    """(packed time) / (unpacked time) - 1, from medians and from the per-rep pairs."""
+    by_key = {row["key"]: row for row in rows}
+    a, b = by_key.get(packed, {}), by_key.get(unpacked, {})
+    if a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    ratios = [x / y - 1 for x, y in zip(a["samples_ms"], b["samples_ms"])]
+    pairs = common.summarize(ratios)
+    return {
+        "overhead": a["median_ms"] / b["median_ms"] - 1,
+        "pair_median": pairs["median_ms"],
+        "pair_p20": pairs["p20_ms"],
+        "pair_p80": pairs["p80_ms"],
+    }
+
+
+def run_ceilings(plan: Plan, device: torch.device) -> dict:
+    print("ceilings ...", flush=True)
+    return {
+        "copy": common.copy_bandwidth(device, plan.copy_bytes, reps=30),
+        "matmul": common.matmul_tflops(device, plan.matmul_n, reps=30),
+    }
+
+
+def run_headline(plan: Plan, device: torch.device, copy_gbps: float) -> dict:
+    n, vocab, dtype = plan.headline
+    print(f"headline N={n} V={vocab} {dtype} ...", flush=True)
+    problem = make_problem(n, vocab, dtype, device)
+    checks = check_headline(problem)
+    release_memory(problem, device)
+    rows = measure(
+        problem,
+        headline_variants(device),
+        reps=plan.headline_reps,
+        warmup=plan.warmup,
+        device=device,
+        copy_gbps=copy_gbps,
+    )
+    return {
+        "problem": problem.describe(),
+        "floor_ms": problem.floor_bytes / copy_gbps / 1e6,
+        "checks": checks,
+        "rows": rows,
+        "packed_overhead": packed_overhead(rows, "ours_packed", "ours_unpacked"),
+        "packed_overhead_inplace": packed_overhead(
+            rows, "ours_packed_inplace", "ours_unpacked_inplace"
+        ),
+    }
+
+
+def sweep_reps(floor_bytes: int) -> int:
+    # Each call of the biggest shapes takes tens of ms; their medians settle with fewer reps.
+    return 20 if floor_bytes <= 8 * 10**9 else 10
+
+
+def run_sweep(plan: Plan, device: torch.device, copy_gbps: float, deadline: float) -> dict:
+    """Every (dtype, N, V) of the plan: dtype by dtype, small to large, so a run short of time
+    loses the largest fp32 shapes first."""
+    torch._dynamo.reset()  # the sweep's dynamic-shape compilation must not reuse the headline's
+    variants = sweep_variants(device)
+    rows, skipped = [], []
+    for dtype in plan.dtypes:
+        for n, vocab in sorted(
+            ((n, vocab) for n in plan.tokens for vocab in plan.vocabs), key=lambda c: c[0] * c[1]
+        ):
+            pair_bytes = 2 * n * vocab * dtype.itemsize
+            shape = {"n": n, "vocab": vocab, "dtype": str(dtype).removeprefix("torch.")}
+            if pair_bytes > plan.max_pair_bytes:
+                limit = plan.max_pair_bytes / GiB
+                reason = f"logits + grad {pair_bytes / GiB:.3g} GiB > {limit:.3g} GiB"
+                skipped.append(shape | {"reason": reason})
+                continue
+            if time.monotonic() > deadline:
+                skipped.append(shape | {"reason": f"run past {plan.seconds:.0f} s"})
+                continue
+            print(f"sweep N={n} V={vocab} {dtype} ...", flush=True)
+            problem = make_problem(n, vocab, dtype, device)
+            rows += measure(
+                problem,
+                variants,
+                reps=sweep_reps(problem.floor_bytes),
+                warmup=min(plan.warmup, 2),
+                device=device,
+                copy_gbps=copy_gbps,
+            )
+            release_memory(problem, device)
+            del problem
+    return {"rows": rows, "skipped": skipped}
+
+
+def run_configs(plan: Plan, device: torch.device, copy_gbps: float, grid) -> dict:
+    """packed_ce at the headline shape under each (columns per program, num_warps) of grid."""
+    n, vocab, dtype = plan.headline
+    print(f"configs at N={n} V={vocab} {dtype} ...", flush=True)
+    problem = make_problem(n, vocab, dtype, device)
+    configs = LaunchConfigs(vocab, device)
+    rows = measure(
+        problem,
+        config_variants(configs, grid),
+        reps=plan.headline_reps,
+        warmup=plan.warmup,
+        device=device,
+        copy_gbps=copy_gbps,
+        memory=False,
+    )
+    return {
+        "problem": problem.describe(),
+        "current": configs.current,
+        "rows": rows,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    block, warps = text.lower().split("x")
+    return int(block), int(warps)
+
+
+def parse_args() -> argparse.Namespace:
+    # no abbreviations: "--smoke" is looked for in sys.argv before argparse runs
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a smaller sweep (N=8192, bf16)")
+    mode.add_argument(
+        "--configs", action="store_true", help="only the ceilings and the launch-config table"
+    )
+    mode.add_argument(
+        "--smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter"
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        type=parse_config,
+        metavar="BLOCKxWARPS",
+        help="with --configs: columns per program and num_warps to time instead of the "
+        "default grid, e.g. 4096x8; repeatable",
+    )
+    parser.add_argument("--out", type=Path, help=f"output folder (default {RESULTS_DIR})")
+    return parser.parse_args()
+
+
+def main() -> int:
+    """Runs the plan of the chosen mode; returns 1 if packed_ce failed its correctness check."""
+    args = parse_args()
+    started = time.monotonic()
+    mode = next((m for m in ("quick", "configs", "smoke") if getattr(args, m)), "full")
+    plan = {"full": GPU_PLAN, "quick": QUICK_PLAN, "configs": GPU_PLAN, "smoke": SMOKE_PLAN}[mode]
+    device = torch.device("cpu" if args.smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run on a GPU machine, or --smoke here")
+    # smoke numbers are meaningless: keep them out of the results folder
+    smoke_dir = Path(tempfile.gettempdir()) / "packed_ce_bench"
+    out = args.out or (smoke_dir if args.smoke else RESULTS_DIR)
+    torch.manual_seed(0)
+
+    env = common.environment(device, DISTRIBUTIONS)
+    suffix = "" if mode == "full" else f"_{mode}"
+    json_path = out / f"cross_entropy{suffix}_{common.device_slug(env)}.json"
+    result = {
+        "benchmark": "cross_entropy",
+        "mode": mode,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "environment": env | {"packed_ce": packed_ce.__version__},
+        "kernel_sha256": common.file_digest(Path(ce_kernels.__file__)),
+    }
+    result["ceilings"] = run_ceilings(plan, device)
+    copy_gbps = result["ceilings"]["copy"]["gbps"]
+    common.write_json(json_path, result)  # saved after every section: a timeout keeps the rest
+
+    if mode == "configs":
+        result["configs"] = run_configs(plan, device, copy_gbps, args.config or plan.configs)
+        common.write_json(json_path, result)
+    else:
+        result["headline"] = run_headline(plan, device, copy_gbps)
+        common.write_json(json_path, result)
+        result["sweep"] = run_sweep(plan, device, copy_gbps, deadline=started + plan.seconds)
+        if mode == "smoke":
+            result["configs"] = run_configs(plan, device, copy_gbps, plan.configs)
+        common.write_json(json_path, result)
+        try:
+            import plot
+
+            result["plot"] = str(plot.plot_cross_entropy(result, json_path.with_suffix(".png")))
+        except Exception as error:  # the numbers matter more than the picture
+            result["plot"] = f"failed: {common.error_text(error)}"
+        common.write_json(json_path, result)
+
+    print(f"\nwrote {json_path}" + (f" and {result['plot']}" if "plot" in result else ""))
+    print(make_tables.report(result))
+    checks = result.get("headline", {}).get("checks", {}).values()
+    return 0 if all(check["passed"] for check in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Markdown tables from the benchmark results (``benchmarks/results/*.json``).
+
+The benchmark prints :func:`report` of its own result; the README's performance section is
+:func:`readme_section` of the stored results::
+
+    python benchmarks/make_tables.py                       # print the README section
+    python benchmarks/make_tables.py --readme README.md    # replace it between the markers
+
+Every time is set against the floor: reading the logits once and writing the gradient once
+(``floor_bytes``) at the device-to-device copy rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+TARGET_FRACTION = 0.85  # of the copy rate, for packed_ce forward+backward
+OVERHEAD_TARGET = 0.03  # is_packed=True over is_packed=False
+SWEEP_COLUMNS = (  # (row key, column title) of the sweep table
+    ("ours_packed", "packed_ce packed"),
+    ("ours_unpacked", "packed_ce unpacked"),
+    ("compile_fp32", "torch.compile"),
+    ("liger", "Liger-Kernel"),
+)
+
+
+def _row(cells: list[str], width: int) -> str:
+    """A table row of ``width`` cells, the missing ones empty."""
+    return "| " + " | ".join(cells + [""] * (width - len(cells))) + " |"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _time_cell(row: dict | None) -> str:
+    """``'1.234 ms (87%)'``: median and fraction of the copy rate, or why there is none."""
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return f"{row['status']}: {row.get('reason', '')}"
+    return f"{row['median_ms']:.3f} ms ({100 * row['fraction_of_copy']:.0f}%)"
+
+
+def _memory_cell(row: dict) -> str:
+    if "extra_bytes" not in row:
+        return "-"
+    return f"{row['extra_bytes'] / 2**30:.2f} GiB ({row['extra_grad_buffers']:.2f} x grad)"
+
+
+def ceilings_line(result: dict) -> str:
+    env, ceilings = result["environment"], result["ceilings"]
+    versions = ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
+    return (
+        f"{env['device_name']} ({versions}; packed_ce kernel {result['kernel_sha256']}): "
+        f"device-to-device copy {ceilings['copy']['gbps']:.0f} GB/s counting read + write, "
+        f"bf16 {ceilings['matmul']['n']}^3 matmul {ceilings['matmul']['tflops']:.0f} TFLOP/s."
+    )
+
+
+def headline_table(result: dict) -> str:
+    head = result["headline"]
+    p = head["problem"]
+    floor = head["floor_ms"]
+    lines = [
+        f"Forward+backward, N={p['n']}, V={p['vocab']}, {p['dtype']}, {p['sequences']} packed "
+        f"sequences, {100 * p['ignored_fraction']:.0f}% of tokens without a target. Floor "
+        f"{p['floor_bytes'] / 1e9:.2f} GB = {floor:.3f} ms at the copy rate; the target "
+        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. packed_ce rows "
+        "use validate=False unless marked; extra memory is in (N, V) gradient buffers; host ms "
+        "is how long the step holds the host (enqueuing, and any sync inside): a step whose "
+        "host time exceeds its device time cannot keep the GPU busy on its own.",
+        "",
+        "| variant | median ms | p20-p80 ms | GB/s | % of copy | extra memory | host ms |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in head["rows"]:
+        if row["status"] != "ok":
+            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 7))
+            continue
+        lines.append(
+            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
+            f" | {row['gbps']:.0f} | {100 * row['fraction_of_copy']:.1f}% | {_memory_cell(row)}"
+            f" | {row['host_ms']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def headline_summary(result: dict) -> str:
+    """The issue's targets at the headline shape, each met or missed."""
+    head = result["headline"]
+    rows = {row["key"]: row for row in head["rows"]}
+    lines = []
+    ours = rows.get("ours_packed", {})
+    if ours.get("status") == "ok":
+        fraction = ours["fraction_of_copy"]
+        lines.append(
+            f"- packed_ce is_packed=True: {ours['median_ms']:.3f} ms = {100 * fraction:.1f}% of "
+            f"the copy rate (target >= {100 * TARGET_FRACTION:.0f}%): "
+            f"{_met(fraction >= TARGET_FRACTION)}"
+        )
+    for key, name in (("packed_overhead", ""), ("packed_overhead_inplace", ", inplace_backward")):
+        overhead = head.get(key)
+        if overhead is not None:
+            lines.append(
+                f"- is_packed=True over is_packed=False{name}: {100 * overhead['overhead']:+.1f}% "
+                f"(per-rep pairs: median {100 * overhead['pair_median']:+.1f}%, p20-p80 "
+                f"{100 * overhead['pair_p20']:+.1f}%..{100 * overhead['pair_p80']:+.1f}%; "
+                f"target <= {100 * OVERHEAD_TARGET:.0f}%): "
+                f"{_met(overhead['overhead'] <= OVERHEAD_TARGET)}"
+            )
+    # inplace_backward=True: no (N, V) buffer at all; False: the gradient itself, no more.
+    for key, limit, wanted in (
+        ("ours_packed_inplace", 0.5, "no extra (N, V) buffer"),
+        ("ours_packed", 1.5, "one (N, V) buffer at most"),
+    ):
+        row = rows.get(key, {})
+        if "extra_grad_buffers" in row:
+            buffers = row["extra_grad_buffers"]
+            lines.append(
+                f"- {row['label']}: {buffers:.2f} (N, V) buffers extra ({wanted}): "
+                f"{_met(buffers < limit)}"
+            )
+    for name, check in head.get("checks", {}).items():
+        lines.append(
+            f"- {name} loss and gradient against PyTorch fp32: loss rel. error "
+            f"{check['loss_rel_error']:.1e}, gradient {check['grad_rel_error']:.1e}: "
+            f"{'passed' if check['passed'] else 'FAILED'}"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(result: dict) -> str:
+    sweep = result["sweep"]
+    copy_gbps = result["ceilings"]["copy"]["gbps"]
+    shapes: dict[tuple, dict] = {}
+    for row in sweep["rows"]:
+        shapes.setdefault((row["dtype"], row["n"], row["vocab"]), {})[row["key"]] = row
+    titles = " | ".join(title for _, title in SWEEP_COLUMNS)
+    lines = [
+        f"Forward+backward, time (% of the copy rate); packed overhead = packed / unpacked - 1; "
+        f"extra memory of packed_ce packed in (N, V) buffers; {100 * TARGET_FRACTION:.0f}% = "
+        "the target.",
+        "",
+        f"| dtype | N | V | N*V > 2^31 | floor ms | {titles} | packed overhead | "
+        f"extra memory | >= {100 * TARGET_FRACTION:.0f}% |",
+        "|---|---:|---:|---|---:|" + "---:|" * len(SWEEP_COLUMNS) + "---:|---:|---|",
+    ]
+    for (dtype, n, vocab), rows in sorted(shapes.items()):
+        any_row = next(iter(rows.values()))
+        ours, unpacked = rows.get("ours_packed"), rows.get("ours_unpacked")
+        overhead = meets = memory = "-"
+        if ours and unpacked and ours["status"] == unpacked["status"] == "ok":
+            overhead = f"{100 * (ours['median_ms'] / unpacked['median_ms'] - 1):+.1f}%"
+            meets = _met(ours["fraction_of_copy"] >= TARGET_FRACTION)
+        if ours and "extra_grad_buffers" in ours:
+            memory = f"{ours['extra_grad_buffers']:.2f}"
+        cells = " | ".join(_time_cell(rows.get(key)) for key, _ in SWEEP_COLUMNS)
+        lines.append(
+            f"| {dtype} | {n} | {vocab} | {'yes' if any_row['n_times_v_over_2_31'] else 'no'} | "
+            f"{any_row['floor_bytes'] / copy_gbps / 1e6:.3f} | {cells} | {overhead} | {memory} | "
+            f"{meets} |"
+        )
+    for skip in sweep["skipped"]:
+        over = "yes" if skip["n"] * skip["vocab"] > 2**31 else "no"
+        cells = [skip["dtype"], str(skip["n"]), str(skip["vocab"]), over, "-"]
+        lines.append(_row(cells + [f"skipped: {skip['reason']}"], 5 + len(SWEEP_COLUMNS) + 3))
+    return "\n".join(lines)
+
+
+def configs_table(result: dict) -> str:
+    configs = result["configs"]
+    p = configs["problem"]
+    ok = [row for row in configs["rows"] if row["status"] == "ok"]
+    best = min(ok, key=lambda row: row["median_ms"])["key"] if ok else None
+    lines = [
+        f"packed_ce is_packed=True forward+backward by launch config, N={p['n']}, "
+        f"V={p['vocab']}, {p['dtype']}.",
+        "",
+        "| config | median ms | p20-p80 ms | % of copy | |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in configs["rows"]:
+        if row["status"] != "ok":
+            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 5))
+            continue
+        lines.append(
+            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
+            f" | {100 * row['fraction_of_copy']:.1f}% | {'best' if row['key'] == best else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """Everything one run measured, the headline table last."""
+    parts = [f"## cross entropy benchmark ({result['mode']})", ceilings_line(result)]
+    if "configs" in result:
+        parts.append(configs_table(result))
+    if "sweep" in result:
+        parts.append(sweep_table(result))
+    if "headline" in result:
+        parts += [headline_summary(result), headline_table(result)]
+    return "\n\n".join(parts)
+
+
+def load_results(results_dir: Path = RESULTS_DIR) -> list[dict]:
+    """The newest full (else quick) cross-entropy result of each device."""
+    newest: dict[str, dict] = {}
+    for path in sorted(Path(results_dir).glob("*.json")):
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != "cross_entropy" or "headline" not in result:
+            continue
+        if result["mode"] not in ("full", "quick"):  # smoke numbers mean nothing
+            continue
+        device = result["environment"]["device_name"]
+        rank = (result["mode"] == "full", result["created"])
+        kept = newest.get(device)
+        if kept is None or rank > (kept["mode"] == "full", kept["created"]):
+            newest[device] = result
+    return [newest[device] for device in sorted(newest)]
+
+
+def readme_section(results_dir: Path = RESULTS_DIR) -> str:
+    """The README's performance section, from the stored results."""
+    parts = []
+    for result in load_results(results_dir):
+        parts.append(f"### {result['environment']['device_name']}")
+        parts.append(ceilings_line(result))
+        parts += [headline_table(result), headline_summary(result)]
+        if "sweep" in result:
+            parts.append(sweep_table(result))
+    if not parts:
+        parts.append("No benchmark results yet: run `make bench` on a GPU machine.")
+    return "\n\n".join(parts)
+
+
+def update_readme(readme: Path, section: str) -> None:
+    """Replaces what lies between the ``bench:start`` and ``bench:end`` markers."""
+    text = Path(readme).read_text()
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{readme} has no {START} ... {END} markers")
+    Path(readme).write_text(text[: start + len(START)] + "\n" + section + "\n" + text[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="README performance tables from the results")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--readme", type=Path, help="write the section into this file")
+    args = parser.parse_args()
+    section = readme_section(args.results)
+    if args.readme:
+        update_readme(args.readme, section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
