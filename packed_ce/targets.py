@@ -39,7 +39,7 @@ class Targets:
     coef: torch.Tensor
 
 
-def _is_tracing() -> bool:
+def is_tracing() -> bool:
     """True under torch.compile or CUDA-graph capture, where a host sync is impossible."""
     if torch.compiler.is_compiling():
         return True
@@ -145,7 +145,7 @@ def check_values(
     Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
     kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
     """
-    if _is_tracing():
+    if is_tracing():
         return
     bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
     flags = [bad_label]
@@ -274,7 +274,8 @@ def prepare_targets(
             if isinstance(num_items, torch.Tensor):
                 num_items = num_items.reshape(()).to(device=flat.device)
             else:
-                num_items = torch.tensor(float(num_items), device=flat.device)
+                # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
+                num_items = torch.full((), float(num_items), device=flat.device)
         num_items = num_items.to(dtype)
         # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0.
         scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
