@@ -23,7 +23,8 @@ altogether, which needs their number on the host (one wait for the device, see
   rows that go through the GEMMs (M = N unless rows without a target are dropped), as unfused.
 - Reduction "none" (one upstream gradient per row): ``dL/dW = G^T diag(g) X`` cannot be rescaled
   after the fact, so the forward keeps only the per-row ``lse`` and the backward recomputes each
-  chunk's logits. FLOPs: ``8 M H V``.
+  chunk's logits. fp16 inputs take this path for every reduction: their ``G`` must be formed with
+  the loss-scaled upstream gradient, or its small entries flush to zero in fp16. FLOPs: ``8 M H V``.
 
 Memory beyond the inputs and their gradients: the ``(C, V)`` chunk buffer in the input dtype
 (``C`` is chosen so that it holds about 256 MiB: 1024 rows of a 128256-token vocabulary in bf16),
@@ -373,7 +374,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         rows = torch.nonzero(coef).squeeze(1) if drop_ignored_rows else None
         chunks = _Chunks(n=hidden.shape[0], size=chunk_size, rows=rows)
         targets, coef = chunks.compact(targets), chunks.compact(coef)
-        ctx.fused = reduce and any(needs)
+        # fp16 recomputes in the backward, as "none" does: dL/dZ computed now for g = 1 would
+        # flush its small entries to zero before the loss scale of fp16 training reaches it.
+        ctx.fused = reduce and any(needs) and hidden.dtype != torch.float16
         ctx.backward_done = False
         ctx.chunk_loss, ctx.chunk_size = chunk_loss, chunk_size
         ctx.accumulation_dtype, ctx.needs = accumulation_dtype, needs
@@ -414,6 +417,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             hidden, weight, bias, targets, coef, lse, rows = ctx.saved_tensors
             chunks = _Chunks(n=hidden.shape[0], size=ctx.chunk_size, rows=rows)
             grads = _Grads.allocate(hidden, weight, bias, ctx.needs, ctx.accumulation_dtype, chunks)
+            # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
+            grad_rows = grad_loss.expand(hidden.shape[0]) if grad_loss.dim() == 0 else grad_loss
             with torch.autocast(hidden.device.type, enabled=False):
                 _backward_chunks(
                     hidden,
@@ -422,7 +427,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     targets,
                     coef,
                     lse,
-                    chunks.compact(grad_loss),
+                    chunks.compact(grad_rows),
                     chunks,
                     ctx.chunk_loss,
                     grads,

@@ -209,6 +209,28 @@ def test_inplace_backward(device, reduction, inplace):
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_float16_gradient_sees_the_loss_scale(device):
+    """fp16 gradients are formed with the upstream (loss-scaled) gradient, not rescaled after.
+
+    A mean over many targets gives entries ~coef * p_j far below fp16's smallest subnormal
+    (6e-8); computed for an upstream gradient of 1 and scaled later they would be lost.
+    """
+    gen = torch.Generator().manual_seed(fresh_seed())
+    n = 64
+    labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen).to(device)
+    logits = (torch.randn(n, V_UNALIGNED, generator=gen) * 4).to(device, torch.float16)
+    scale = torch.tensor(2.0**16, device=device)
+    kwargs = dict(reduction="mean", num_items_in_batch=10_000)
+    _, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="triton", **kwargs), logits, scale)
+    _, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="torch", **kwargs), logits.float(), scale)
+    assert grad.dtype == torch.float16
+    assert relative_error(grad, ref_grad) < 5e-3
+    # entries the scaled gradient makes representable must not have been flushed
+    representable = ref_grad.abs() > 2**-24
+    assert (grad[representable] != 0).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_second_backward_is_refused(device):
     logits = torch.randn(4, 50, device=device, requires_grad=True)
     loss = packed_ce.cross_entropy(logits * 1.0, torch.tensor([1, 2, 3, 4], device=device), backend="triton")

@@ -13,8 +13,9 @@ Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
   on the device when it is 1 (read N*V, write N*V in all).
-- recompute (reduction "none", whose upstream gradient is per row, and ``torch.compile``,
-  whose functional ops cannot hand back an in-place gradient): the forward writes the loss
+- recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
+  see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
+  hand back an in-place gradient): the forward writes the loss
   and ``lse``; the backward reads the logits again and writes the gradient.
 
 Dimensions: N rows (tokens), V vocabulary.
@@ -324,7 +325,7 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd for eager mode: fused for scalar reductions, recompute for "none"."""
+    """Autograd for eager mode: fused for scalar reductions, recompute for "none" and fp16."""
 
     @staticmethod
     def forward(
@@ -341,8 +342,11 @@ class CrossEntropyFunction(torch.autograd.Function):
         hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
         # With one scalar upstream gradient the whole gradient is known up to that scalar now,
-        # so compute it in the same pass that reads the logits for the loss.
-        fused = needs_grad and reduce
+        # so compute it in the same pass that reads the logits for the loss. Not in fp16: its
+        # gradient entries (coef * p_j, often < 1e-7) would flush to zero before the backward
+        # could apply the loss scale that fp16 training relies on; fp16 recomputes in the
+        # backward with the scaled upstream gradient instead.
+        fused = needs_grad and reduce and logits.dtype != torch.float16
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
@@ -373,9 +377,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         else:
             logits, targets, coef, lse = ctx.saved_tensors
             grad = logits if ctx.inplace_backward else torch.empty_like(logits)
-            launch_backward(
-                logits, grad, targets, coef, lse, grad_loss.float(), **ctx.hyper
-            )
+            # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
+            grad_rows = grad_loss.float().expand(logits.shape[0])
+            launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
         # One gradient per forward input: logits, then targets, coef and the five options.
         return grad, None, None, None, None, None, None, None
 
