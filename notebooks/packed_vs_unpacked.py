@@ -1,0 +1,372 @@
+# %% [markdown]
+# # Packed vs unpacked: the same loss, the same training
+#
+# Supervised fine-tuning data is a pile of conversations of very different lengths. Padding
+# each one to the longest of its batch wastes compute on padding tokens; **packing** puts
+# several conversations back to back in one row, so that every position holds a real token.
+#
+# Packing changes nothing about what the model sees, as long as attention stays inside each
+# conversation (transformers does this from the `position_ids` that restart at 0 for every
+# conversation). It does change the loss, though, if the loss is what a causal LM computes by
+# default: **the mean over all target tokens of the batch**. Unpacked fine-tuning usually
+# averages per conversation first; in a packed row the token mean gives a 200-token answer 100
+# times the weight of a 2-token answer.
+#
+# In this notebook:
+#
+# 1. load the conversations with `datasets` and pack them;
+# 2. plug the collators into a `DataLoader`;
+# 3. **the naive way**: transformers' token mean on a packed row, and the per-token weights it uses;
+# 4. **the right way**: `packed_ce` with `is_packed=True`, which weighs every target token of
+#    conversation $s$ by $1/n_s$ ($n_s$ = targets of $s$) and averages over conversations:
+#
+# $$\mathcal{L} = \frac{1}{S}\sum_{s=1}^{S} \frac{1}{n_s} \sum_{t \in s} \ell_t$$
+#
+# 5. **a check**: batch by batch, packed = padded = one conversation at a time;
+# 6. **a short training run** three ways from the same weights, and plots.
+#
+# Everything runs offline on a CPU in under a minute: the corpus (English dialogues of the
+# `chatterbot-corpus` package) and a small ChatML tokenizer ship with `collators`, and the model
+# is a tiny Llama with random weights.
+
+# %%
+import math
+import warnings
+
+# tqdm warns at import when Jupyter widgets are missing; this notebook does not use them
+warnings.filterwarnings("ignore", message="IProgress not found")
+
+import datasets
+import matplotlib.pyplot as plt
+import torch
+from torch.utils.data import DataLoader
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import collators
+import packed_ce
+from packed_ce.demo import build_model, per_sequence_mean_loss, split_rows, tiny_config
+from packed_ce.integrations import apply_packed_loss
+
+datasets.disable_progress_bars()
+torch.manual_seed(0)
+
+# %% [markdown]
+# ## 1. Conversations, tokenized and packed
+#
+# `load_default_dataset()` is a `datasets.Dataset` with a `messages` column, the format every
+# chat data set on the hub uses. `tokenize_dataset` applies the tokenizer's chat template and
+# keeps labels on the assistant turns only (their closing `<|im_end|>` included); everything
+# else is `-100`.
+
+# %%
+dataset = collators.load_default_dataset()
+tokenizer = collators.load_default_tokenizer()
+print(dataset)
+print(dataset[3]["messages"])
+
+tokenized = collators.tokenize_dataset(dataset, tokenizer)
+example = tokenized[3]
+trained = [t for t, label in zip(example["input_ids"], example["labels"]) if label != -100]
+print("\nthe whole conversation:\n" + tokenizer.decode(example["input_ids"]))
+print("the trained tokens:\n" + tokenizer.decode(trained))
+
+# %% [markdown]
+# `pack_dataset` packs all conversations with best-fit-decreasing into rows of at most
+# `max_length` tokens and records where each conversation starts (`seq_lengths`).
+
+# %%
+MAX_LENGTH = 256
+packed, stats = collators.pack_dataset(tokenized, MAX_LENGTH, return_stats=True)
+# rows come longest conversations first; a fixed shuffle mixes long and short in every batch
+packed = packed.shuffle(seed=0)
+lengths = [len(ids) for ids in tokenized["input_ids"]]
+print(
+    f"conversation lengths: min {min(lengths)}, median {sorted(lengths)[len(lengths) // 2]}, max {max(lengths)}"
+)
+
+# %% [markdown]
+# The packing layout of a few rows: one colour per conversation, the trained (assistant) tokens
+# dark, the untrained ones (system and user turns, template) light.
+
+
+# %%
+def layout_image(rows):
+    """RGBA pixels: one colour per conversation, trained tokens opaque, untrained ones faded."""
+    colours = torch.tensor(plt.get_cmap("tab10").colors)
+    image = torch.ones(len(rows), MAX_LENGTH, 4)  # white: empty positions
+    for y, row in enumerate(rows):
+        labels = torch.tensor(row["labels"])
+        start = 0
+        for s, length in enumerate(row["seq_lengths"]):
+            image[y, start : start + length, :3] = colours[s % len(colours)]
+            image[y, start : start + length, 3] = torch.where(
+                labels[start : start + length] != -100, 1.0, 0.3
+            )
+            start += length
+    return image
+
+
+layout_rows = [packed[i] for i in range(8)]
+fig, ax = plt.subplots(figsize=(10, 3))
+ax.imshow(layout_image(layout_rows), aspect="auto", interpolation="nearest")
+ax.set(
+    xlabel="token position in the packed row",
+    ylabel="row",
+    title=f"Packing layout ({stats.efficiency:.1%} of all positions hold a token)",
+)
+plt.show()
+
+# %% [markdown]
+# ## 2. DataLoaders: packed and padded, same conversations
+#
+# `PackedCollator` concatenates the rows of a batch into one row with `position_ids` restarting
+# at every conversation, `cu_seqlens` (the conversation boundaries) and transformers' varlen
+# keywords; it emits no `attention_mask`, so transformers builds a block-diagonal causal mask.
+# For the unpacked baseline the same rows are split back into conversations and padded, one per
+# row, by `PaddedCollator`. Both loaders read the rows in the same order, so batch `k` of one
+# holds exactly the conversations of batch `k` of the other.
+
+# %%
+ROWS_PER_BATCH = 2
+packed_loader = DataLoader(
+    packed, batch_size=ROWS_PER_BATCH, shuffle=False, collate_fn=collators.PackedCollator()
+)
+padded_collator = collators.PaddedCollator(pad_token_id=tokenizer.pad_token_id)
+padded_loader = DataLoader(
+    packed,
+    batch_size=ROWS_PER_BATCH,
+    shuffle=False,
+    collate_fn=lambda rows: padded_collator(split_rows(rows)),
+)
+packed_batch, padded_batch = next(iter(packed_loader)), next(iter(padded_loader))
+for name, batch in (("packed", packed_batch), ("padded", padded_batch)):
+    shapes = {k: tuple(v.shape) if torch.is_tensor(v) else v for k, v in batch.items()}
+    print(f"{name}: {shapes}")
+
+# %% [markdown]
+# ## 3. The naive way: a token mean over the packed row
+#
+# A transformers causal LM called with `labels` computes `ForCausalLMLoss`: the sum of the
+# target tokens' losses divided by their number, over the whole row. Each target token of the
+# row weighs $1/N$, whichever conversation it belongs to. Per-sequence averaging weighs a
+# target token of conversation $s$ by $1 / (S \cdot n_s)$ instead: every conversation counts
+# the same, however long its answers.
+
+# %%
+config = tiny_config(len(tokenizer))
+model = build_model(config, seed=0)
+
+
+def answer_lengths(batch):
+    """Trained tokens of each conversation of a packed batch."""
+    bounds = batch["cu_seqlens"].tolist()
+    return [int((batch["labels"][0, a:b] != -100).sum()) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# of the first 50 batches, the one whose answers differ most in length shows the effect best
+example_batch = max(
+    (batch for _, batch in zip(range(50), packed_loader)),
+    key=lambda batch: max(answer_lengths(batch)) / max(min(answer_lengths(batch)), 1),
+)
+labels = example_batch["labels"][0]
+cu_seqlens = example_batch["cu_seqlens"].tolist()
+is_target = torch.zeros_like(labels, dtype=torch.bool)
+is_target[:-1] = labels[1:] != -100  # logits[t] predicts labels[t + 1]
+for end in cu_seqlens[1:]:
+    is_target[end - 1] = False  # never across a conversation boundary
+naive_weight = is_target.float() / is_target.sum()
+per_sequence_weight = torch.zeros_like(naive_weight)
+for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    per_sequence_weight[start:end] = is_target[start:end].float() / is_target[
+        start:end
+    ].sum().clamp(min=1)
+num_sequences = example_batch["num_sequences"]
+per_sequence_weight /= num_sequences
+
+# The same weights from the library: with uniform logits every target's loss is log V, and
+# reduction="none" returns each token's weighted loss.
+vocab = len(tokenizer)
+uniform = torch.zeros(len(labels), vocab)
+from_library = packed_ce.cross_entropy(
+    uniform,
+    labels,
+    cu_seqlens=example_batch["cu_seqlens"],
+    is_packed=True,
+    shift=True,
+    reduction="none",
+) / (math.log(vocab) * num_sequences)
+torch.testing.assert_close(from_library, per_sequence_weight)
+
+fig, ax = plt.subplots(figsize=(10, 3))
+ax.step(range(len(labels)), per_sequence_weight, where="post", label="per sequence: 1 / (S n_s)")
+ax.step(range(len(labels)), naive_weight, where="post", label="naive token mean: 1 / N")
+for boundary in cu_seqlens[1:-1]:
+    ax.axvline(boundary, color="gray", lw=0.5)
+ax.set(
+    xlabel="token position in the packed batch (grey: conversation boundaries)",
+    ylabel="weight in the loss",
+    title="Per-token weights across a pack",
+)
+ax.legend()
+plt.show()
+print(f"{num_sequences} conversations with {answer_lengths(example_batch)} trained tokens")
+
+# %% [markdown]
+# ## 4. The right way: `apply_packed_loss(model, is_packed=True)`
+#
+# `apply_packed_loss` replaces the loss function of this one model instance (transformers'
+# loss hook, undone by `remove_packed_loss`). The model's forward passes the extra batch keys
+# (`cu_seqlens`, ...) to it, so `model(**batch)` now returns the per-sequence mean. For the
+# padded batch the same loss reads the rows as the conversations.
+
+# %%
+apply_packed_loss(model, is_packed=True)
+with torch.no_grad():
+    packed_loss = model(**packed_batch).loss
+    padded_loss = model(**padded_batch).loss
+print(f"packed, is_packed=True : {packed_loss:.6f}")
+print(f"padded, is_packed=True : {padded_loss:.6f}")
+
+# %% [markdown]
+# ## 5. The check, batch by batch
+#
+# The ground truth does not know about packing at all: every conversation alone through the
+# model, transformers' own loss, averaged over the conversations. Against it, for the first
+# batches: the packed row with `is_packed=True`, the padded batch with a per-sequence mean
+# written in plain PyTorch, and the naive token mean over the packed row.
+
+
+# %%
+def one_at_a_time(model, conversations):
+    losses = []
+    for conversation in conversations:
+        labels = torch.tensor([conversation["labels"]])
+        if (labels[0, 1:] == -100).all():
+            continue  # nothing to learn from this one
+        logits = model(input_ids=torch.tensor([conversation["input_ids"]])).logits
+        losses.append(ForCausalLMLoss(logits, labels, logits.shape[-1]))
+    return torch.stack(losses).mean()
+
+
+def naive_loss(model, batch):
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    return ForCausalLMLoss(logits, batch["labels"], logits.shape[-1])
+
+
+def padded_reference(model, batch):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return per_sequence_mean_loss(logits, batch["labels"])
+
+
+print(
+    f"{'batch':>5} {'convs':>5} {'one at a time':>14} {'packed':>10} {'padded':>10} {'naive':>10}"
+)
+worst = 0.0
+with torch.no_grad():
+    for k, (rows, p_batch, u_batch) in enumerate(
+        zip(
+            DataLoader(packed, batch_size=ROWS_PER_BATCH, collate_fn=list),
+            packed_loader,
+            padded_loader,
+        )
+    ):
+        if k == 6:
+            break
+        conversations = split_rows(rows)
+        truth = one_at_a_time(model, conversations)
+        p, u, n = (
+            model(**p_batch).loss,
+            padded_reference(model, u_batch),
+            naive_loss(model, p_batch),
+        )
+        worst = max(worst, abs(p - truth).item(), abs(u - truth).item())
+        print(f"{k:>5} {len(conversations):>5} {truth:>14.6f} {p:>10.6f} {u:>10.6f} {n:>10.6f}")
+print(f"largest |difference| to the ground truth: {worst:.1e}")
+assert worst <= 1e-5
+
+# %% [markdown]
+# At random initialisation every token's loss is close to $\log V$, so any average of them is
+# nearly the same number and the naive column is only a little off. The weights differ a lot,
+# though, and so do the gradients; training shows it.
+#
+# ## 6. A short training run, three ways
+#
+# The same initial weights, the same batches, AdamW, float32: packed with `is_packed=True`,
+# padded with the per-sequence mean, and packed with the naive token mean.
+
+# %%
+STEPS = 16
+
+
+def train(loader, loss_fn, packed_loss):
+    model = build_model(config, seed=0)
+    if packed_loss:
+        apply_packed_loss(model, is_packed=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for step, batch in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+runs = {
+    "padded, per-sequence mean": train(padded_loader, padded_reference, packed_loss=False),
+    "packed, is_packed=True": train(packed_loader, lambda m, b: m(**b).loss, packed_loss=True),
+    "packed, naive token mean": train(packed_loader, naive_loss, packed_loss=False),
+}
+gap = max(
+    abs(a - b) for a, b in zip(runs["packed, is_packed=True"], runs["padded, per-sequence mean"])
+)
+print(f"max |packed - padded| over {STEPS} steps: {gap:.1e}")
+assert gap <= 1e-5
+
+# %%
+fig, (curves, gaps) = plt.subplots(1, 2, figsize=(11, 4))
+styles = {
+    "padded, per-sequence mean": ("k", "-", 3),
+    "packed, is_packed=True": ("tab:blue", "--", 1.5),
+    "packed, naive token mean": ("tab:red", ":", 1.5),
+}
+for name, losses in runs.items():
+    colour, line, width = styles[name]
+    curves.plot(range(1, STEPS + 1), losses, line, color=colour, lw=width, label=name)
+curves.set(xlabel="optimiser step", ylabel="training loss", title="Loss curves")
+curves.legend()
+baseline = runs["padded, per-sequence mean"]
+for name in ("packed, is_packed=True", "packed, naive token mean"):
+    gaps.semilogy(
+        range(1, STEPS + 1),
+        [max(abs(a - b), 1e-9) for a, b in zip(runs[name], baseline)],
+        "o-",
+        color=styles[name][0],
+        label=name,
+    )
+gaps.set(
+    xlabel="optimiser step",
+    ylabel="|loss - padded loss| (0 drawn at 1e-9)",
+    title="Distance to the unpacked run",
+)
+gaps.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# The packed run with `is_packed=True` is the unpacked per-sequence run, step for step, to
+# float32 round-off; the naive token mean trains a different model. In a training script:
+#
+# ```python
+# from collators import PackedCollator, pack_dataset
+# from packed_ce.integrations import apply_packed_loss
+#
+# apply_packed_loss(model, is_packed=True)
+# loader = DataLoader(pack_dataset(tokenized, 4096), batch_size=2, collate_fn=PackedCollator())
+# for batch in loader:
+#     model(**batch, use_cache=False).loss.backward()
+# ```
+#
+# With gradient accumulation or several processes, `PackedTrainer` (or `count_num_items` in a
+# custom loop) divides by the number of conversations of the whole optimiser step.

@@ -1,0 +1,182 @@
+"""PackedTrainer: an optimiser step over accumulated micro-batches is one per-sequence average.
+
+Three steps with gradient accumulation 2 on packed rows of different sizes, so that the
+micro-batches of a step hold different numbers of conversations (a mean of micro-batch means
+would weigh them wrongly). The ground truth is a plain loop: for each step, the conversations of
+its micro-batches one at a time through transformers' own loss, averaged, one SGD step. Packed
+rows (PackedCollator, also with the fused linear forward) and the same conversations padded
+(PaddedCollator) through PackedTrainer must all land on its parameters; the stock Trainer, which
+divides by a token count, must not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import SequentialSampler
+from transformers import Trainer, TrainingArguments
+
+from collators import PackedCollator, PaddedCollator, pack_dataset
+from packed_ce.demo import split_rows
+from packed_ce.integrations import PackedTrainer, apply_packed_loss
+
+from integration_utils import (
+    assert_loss_close,
+    assert_gradients_close,
+    one_at_a_time,
+    relative_error,
+    synthetic_conversations,
+    tiny_model,
+)
+
+VOCAB = 96
+BATCH_ROWS = 2  # packed rows per micro-batch
+ACCUMULATION = 2
+STEPS = 3
+LR = 0.5
+
+Dataset = pytest.importorskip("datasets").Dataset  # the GPU machine has no datasets
+
+
+class SequentialTrainerMixin:
+    """Rows in data set order, so that the ground truth knows which rows make each step."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        return SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+
+
+class SequentialPackedTrainer(SequentialTrainerMixin, PackedTrainer):
+    pass
+
+
+class SequentialTrainer(SequentialTrainerMixin, Trainer):
+    pass
+
+
+def packed_rows() -> Dataset:
+    """Packed rows of 32 tokens holding one to several conversations, some without a target."""
+    lengths = torch.randint(1, 31, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    conversations = synthetic_conversations(lengths, VOCAB, seed=1)
+    rows = pack_dataset(Dataset.from_list(conversations), max_length=32)
+    assert rows.num_rows >= STEPS * ACCUMULATION * BATCH_ROWS
+    return rows.select(range(STEPS * ACCUMULATION * BATCH_ROWS))
+
+
+def training_args(tmp_path, **overrides) -> TrainingArguments:
+    fields = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH_ROWS,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,  # no clipping: compare raw gradient steps
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return TrainingArguments(**{**fields, **overrides})
+
+
+def sgd(model):
+    """Plain SGD at a constant rate: the step is the gradient, nothing else."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def ground_truth(rows: Dataset):
+    """Parameters and per-step losses of unpacked per-sequence training, one process."""
+    model = tiny_model("llama", VOCAB)
+    optimizer, _ = sgd(model)
+    per_step = BATCH_ROWS * ACCUMULATION
+    losses = []
+    for step in range(STEPS):
+        conversations = split_rows([rows[i] for i in range(step * per_step, (step + 1) * per_step)])
+        optimizer.zero_grad()
+        loss = one_at_a_time(model, conversations)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def train(trainer_class, rows, collator, tmp_path, *, fused_linear=False):
+    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True, fused_linear=fused_linear)
+    trainer = trainer_class(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=rows,
+        data_collator=collator,
+        optimizers=sgd(model),
+    )
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return model, losses
+
+
+def padded_rows(rows):
+    """The conversations of packed rows, one per row: the unpacked layout of the same step."""
+    return PaddedCollator()(split_rows(rows))
+
+
+def updates(model, initial):
+    return {name: p.detach() - initial[name] for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def truth():
+    rows = packed_rows()
+    initial = {
+        name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
+    }
+    model, losses = ground_truth(rows)
+    return rows, initial, updates(model, initial), losses
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "packed-fused"])
+def test_packed_trainer_matches_unpacked_per_sequence_training(truth, layout, tmp_path):
+    rows, initial, expected_updates, expected_losses = truth
+    collator = padded_rows if layout == "padded" else PackedCollator()
+    fused = layout == "packed-fused"  # the loss from the hidden states, no logits
+    model, losses = train(SequentialPackedTrainer, rows, collator, tmp_path, fused_linear=fused)
+    # the logged loss of a step is the global per-sequence mean
+    for actual, expected in zip(losses, expected_losses):
+        assert_loss_close(torch.tensor(actual), torch.tensor(expected))
+    worst = assert_gradients_close(updates(model, initial), expected_updates)
+    print(f"{layout}: worst relative parameter-update error {worst:.2e}")
+
+
+def test_stock_trainer_count_is_wrong_for_packed_loss(truth, tmp_path):
+    """The stock Trainer divides the per-sequence sums by a token count: a different step."""
+    rows, initial, expected_updates, _ = truth
+    model, _ = train(SequentialTrainer, rows, PackedCollator(), tmp_path)
+    errors = [
+        relative_error(updates(model, initial)[n], expected_updates[n]) for n in expected_updates
+    ]
+    print(f"stock Trainer: parameter updates off by {min(errors):.0%} to {max(errors):.0%}")
+    assert min(errors) > 0.1
+
+
+def test_packed_trainer_keeps_seq_lengths_column(truth, tmp_path):
+    """remove_unused_columns must not drop seq_lengths: a packed row would become one sequence."""
+    rows = truth[0]
+    shared = rows.select([i for i, lengths in enumerate(rows["seq_lengths"]) if len(lengths) > 1])
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    trainer = SequentialPackedTrainer(
+        model=model,
+        args=training_args(tmp_path),
+        train_dataset=shared,
+        data_collator=PackedCollator(),
+    )
+    assert trainer.args.remove_unused_columns
+    batch = next(iter(trainer.get_train_dataloader()))
+    expected = [0] + torch.tensor(sum(shared[:BATCH_ROWS]["seq_lengths"], [])).cumsum(0).tolist()
+    assert batch["cu_seqlens"].tolist() == expected
+
+
+def test_packed_trainer_needs_the_packed_loss(tmp_path):
+    with pytest.raises(ValueError, match="apply_packed_loss"):
+        PackedTrainer(model=tiny_model("llama", VOCAB), args=training_args(tmp_path))
