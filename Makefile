@@ -38,7 +38,7 @@ test-gpu:
 bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_cross_entropy.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_fused_linear.py --out benchmarks/results
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/make_tables.py --readme
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/make_tables.py --readme README.md
 
 notebook: $(STAMP)
 	$(PY) notebooks/execute.py
