@@ -4,6 +4,7 @@ import logging
 
 import numpy as np
 import pytest
+datasets = pytest.importorskip("datasets")  # not on every GPU image
 from datasets import Dataset
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -762,7 +762,7 @@ def test_gpu_half_precision(
     # subnormals and lose their relative precision (bf16 has fp32's exponent range)
     scale = 2.0**12 if dtype == torch.float16 else 1.0
     upstream = (
-        torch.rand(packing.labels.shape, generator=gen)
+        torch.rand(packing.labels.shape, generator=gen) * scale
         if reduction == "none"
         else torch.tensor(scale)
     ).to("cuda")
