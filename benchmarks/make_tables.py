@@ -207,12 +207,12 @@ def report(result: dict) -> str:
     return "\n\n".join(parts)
 
 
-def load_results(results_dir: Path = RESULTS_DIR) -> list[dict]:
-    """The newest full (else quick) cross-entropy result of each device."""
+def load_results(results_dir: Path = RESULTS_DIR, benchmark: str = "cross_entropy") -> list[dict]:
+    """The newest full (else quick) result of ``benchmark`` for each device."""
     newest: dict[str, dict] = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         result = json.loads(path.read_text())
-        if result.get("benchmark") != "cross_entropy" or "headline" not in result:
+        if result.get("benchmark") != benchmark or "headline" not in result:
             continue
         if result["mode"] not in ("full", "quick"):  # smoke numbers mean nothing
             continue
@@ -228,11 +228,19 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
     """The README's performance section, from the stored results."""
     parts = []
     for result in load_results(results_dir):
-        parts.append(f"### {result['environment']['device_name']}")
+        parts.append(f"### cross_entropy, {result['environment']['device_name']}")
         parts.append(ceilings_line(result))
         parts += [headline_table(result), headline_summary(result)]
         if "sweep" in result:
             parts.append(sweep_table(result))
+    fused = load_results(results_dir, "fused_linear")
+    if fused:
+        import bench_fused_linear  # imports torch and packed_ce: only when there is a result
+
+        for result in fused:
+            parts.append(f"### fused_linear_cross_entropy, {result['environment']['device_name']}")
+            # the report's first paragraph is its own title, replaced by the heading above
+            parts.append(bench_fused_linear.report(result).split("\n\n", 1)[1])
     if not parts:
         parts.append("No benchmark results yet: run `make bench` on a GPU machine.")
     return "\n\n".join(parts)
