@@ -28,6 +28,7 @@ from loss_utils import (
     INTERPRETING,
     KERNEL_DEVICES,
     fresh_seed,
+    per_sequence_loss,
     random_packing,
     relative_error,
 )
@@ -149,6 +150,27 @@ def test_kernel_matches_explicit_logits(device, reduction, is_packed, shift, opt
     )
     assert ours[0].dtype == torch.float32
     _assert_close(ours, reference, FP32_TOL)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("is_packed", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("options", [OPTION_SETS["plain"], OPTION_SETS["all"]], ids=["plain", "all"])
+def test_kernel_matches_the_per_sequence_loop(device, is_packed, reduction, options):
+    """Against the ground truth that never sees cu_seqlens: F.cross_entropy per sequence."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, V, n_tokens=24, device=device)
+    inputs = _inputs(gen, packing.labels.shape, V, torch.float32, device)
+    kwargs = dict(is_packed=is_packed, shift=True, reduction=reduction, **options)
+    ours = _loss_and_grads(
+        _fused(packing.labels, backend="triton", chunk_size=CHUNK, cu_seqlens=packing.cu_seqlens, **kwargs),
+        inputs,
+    )
+    loop = _loss_and_grads(
+        lambda h, w, b: per_sequence_loss(F.linear(h, w, b), packing.labels, packing.slices, **kwargs),
+        [t.double() for t in inputs],
+    )
+    _assert_close(ours, loop, FP32_TOL)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
