@@ -703,10 +703,10 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
-        bias: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,  # after the contract's arguments: an extension
     ):
         options = dict(self.options)
         if num_items_in_batch is not None:

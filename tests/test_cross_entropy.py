@@ -372,7 +372,8 @@ def test_module_holds_options():
     expected = packed_ce.cross_entropy(
         logits, packing.labels, cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, label_smoothing=0.1, num_items_in_batch=3
     )
-    torch.testing.assert_close(module(logits, packing.labels, cu_seqlens=packing.cu_seqlens, num_items_in_batch=3), expected)
+    # the contract's positional order: tensors, then cu_seqlens, position_ids, num_items_in_batch
+    torch.testing.assert_close(module(logits, packing.labels, packing.cu_seqlens, None, 3), expected)
     assert "is_packed=True" in repr(module)
     with pytest.raises(TypeError, match="cu_seqlens"):
         packed_ce.PackedCrossEntropyLoss(cu_seqlens=packing.cu_seqlens)

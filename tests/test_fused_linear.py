@@ -642,14 +642,8 @@ def test_module_holds_options():
         num_items_in_batch=3,
         **options,
     )
-    actual = module(
-        hidden,
-        weight,
-        packing.labels,
-        bias=bias,
-        cu_seqlens=packing.cu_seqlens,
-        num_items_in_batch=3,
-    )
+    # the contract's positional order: tensors, then cu_seqlens, position_ids, num_items_in_batch
+    actual = module(hidden, weight, packing.labels, packing.cu_seqlens, None, 3, bias=bias)
     torch.testing.assert_close(actual, expected)
     assert "is_packed=True" in repr(module)
     for name in ("bias", "cu_seqlens", "position_ids"):
