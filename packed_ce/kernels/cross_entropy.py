@@ -12,11 +12,13 @@ with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under `
 Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1 (read N*V, write N*V in all).
+  on the device when it is 1. Each row is read twice (pass 1 for the logsumexp, pass 2 for the
+  gradient, mostly from memory again at LLM vocabularies) and written once: 3 * N * V element
+  moves, against the floor of 2 (benchmarks/NOTES.md says what was tried to remove the re-read).
 - recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
   see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
-  hand back an in-place gradient): the forward writes the loss
-  and ``lse``; the backward reads the logits again and writes the gradient.
+  hand back an in-place gradient): the forward writes the loss and ``lse``; the backward reads
+  the logits again and writes the gradient.
 
 Dimensions: N rows (tokens), V vocabulary.
 """
