@@ -139,7 +139,7 @@ def cross_entropy(
     else:
         from .kernels.cross_entropy import triton_cross_entropy
 
-        prepared = prepare_targets(labels, **boundaries, **options)
+        prepared = prepare_targets(labels, **boundaries, **options, use_kernel=True)
         rows = logits.reshape(-1, vocab)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()

@@ -635,6 +635,7 @@ def fused_linear_cross_entropy(
         reduction=reduction,
         num_items_in_batch=num_items_in_batch,
         dtype=compute_dtype,
+        use_kernel=backend == "triton",
     )
     if backend == "triton":
         chunk_loss = _triton_chunk_loss(label_smoothing, z_loss_scale, softcap)

@@ -212,32 +212,16 @@ def sequence_ids(
     return seq, max(rows, 1)
 
 
-def prepare_targets(
+def _targets_and_weights(
     labels: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    is_packed: bool = False,
-    shift: bool = False,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch=None,
-    dtype: torch.dtype = torch.float32,
-) -> Targets:
-    """Targets and per-token coefficients (see the module docstring) for ``labels``.
-
-    Args:
-        labels: ``(N,)`` or ``(B, T)`` integer labels.
-        cu_seqlens / position_ids: sequence boundaries (at most one), or None.
-        is_packed: weight each target by ``1 / n_s`` of its sequence.
-        shift: the target of token ``t`` is ``labels[t+1]`` when ``t+1`` is in the same
-            sequence, else none.
-        num_items_in_batch: replaces the normaliser ``D`` of reduction "mean".
-        dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
-
-    Returns:
-        :class:`Targets` with ``(N,)`` int64 targets and ``(N,)`` coefficients of ``dtype``.
-    """
+    cu_seqlens: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    is_packed: bool,
+    shift: bool,
+    ignore_index: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` and the default ``D``, in PyTorch."""
     flat = labels.reshape(-1).to(torch.int64)
     need_seq = is_packed or (shift and (cu_seqlens is not None or position_ids is not None))
     seq, num_slots = (None, 0)
@@ -262,24 +246,72 @@ def prepare_targets(
         n_s = torch.zeros(num_slots, dtype=dtype, device=flat.device)
         n_s.index_add_(0, seq, valid)
         # valid tokens have n_s >= 1, the others get 0 / max(0, 1) = 0
-        weight = valid / n_s.clamp(min=1.0)[seq]
-        num_items = (n_s > 0).sum()
+        return targets, valid / n_s.clamp(min=1.0)[seq], (n_s > 0).sum()
+    return targets, valid, valid.sum()
+
+
+def prepare_targets(
+    labels: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    is_packed: bool = False,
+    shift: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch=None,
+    dtype: torch.dtype = torch.float32,
+    use_kernel: bool = False,
+) -> Targets:
+    """Targets and per-token coefficients (see the module docstring) for ``labels``.
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer labels.
+        cu_seqlens / position_ids: sequence boundaries (at most one), or None.
+        is_packed: weight each target by ``1 / n_s`` of its sequence.
+        shift: the target of token ``t`` is ``labels[t+1]`` when ``t+1`` is in the same
+            sequence, else none.
+        num_items_in_batch: replaces the normaliser ``D`` of reduction "mean".
+        dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
+        use_kernel: with ``cu_seqlens`` and float32, compute targets and weights with one Triton
+            launch (:mod:`packed_ce.kernels.targets`) instead of ~25 PyTorch kernels; for the
+            Triton backends in eager mode. The reference keeps the PyTorch path, so each checks
+            the other.
+
+    Returns:
+        :class:`Targets` with ``(N,)`` int64 targets and ``(N,)`` coefficients of ``dtype``.
+    """
+    # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
+    if (
+        use_kernel
+        and cu_seqlens is not None
+        and dtype == torch.float32
+        and not torch.compiler.is_compiling()
+    ):
+        from .kernels.targets import sequence_targets
+
+        targets, weight, num_items = sequence_targets(
+            labels.reshape(-1).to(torch.int64),
+            cu_seqlens,
+            is_packed=is_packed,
+            shift=shift,
+            ignore_index=ignore_index,
+        )
     else:
-        weight = valid
-        num_items = valid.sum()
+        targets, weight, num_items = _targets_and_weights(
+            labels, cu_seqlens, position_ids, is_packed, shift, ignore_index, dtype
+        )
 
     if reduction == "mean":
         if num_items_in_batch is not None:
             num_items = num_items_in_batch
             if isinstance(num_items, torch.Tensor):
-                num_items = num_items.reshape(()).to(device=flat.device)
+                num_items = num_items.reshape(()).to(device=labels.device)
             else:
                 # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
-                num_items = torch.full((), float(num_items), device=flat.device)
+                num_items = torch.full((), float(num_items), device=labels.device)
         num_items = num_items.to(dtype)
         # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0.
         scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
-        coef = weight * scale
-    else:
-        coef = weight
-    return Targets(targets=targets, coef=coef)
+        return Targets(targets=targets, coef=weight * scale)
+    return Targets(targets=targets, coef=weight)

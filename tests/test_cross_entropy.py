@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import packed_ce
-from packed_ce.reference import cross_entropy_reference
+from packed_ce.targets import prepare_targets
 
 from loss_utils import (
     KERNEL_DEVICES,
@@ -137,6 +137,22 @@ def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, 
     assert relative_error(loss.sum(), loop_loss) < tol
     if reduction != "none":  # with a per-token upstream the loop's single scalar is not comparable
         assert relative_error(grad, loop_grad) < tol
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("is_packed", [True, False])
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction):
+    """The one-launch targets/weights of the Triton path against the PyTorch path."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    # long sequences: several preparation blocks per sequence under the interpreter
+    packing = random_packing(gen, 50, n_tokens=300, max_len=150, device=device)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=is_packed, shift=shift, reduction=reduction)
+    ours = prepare_targets(packing.labels, use_kernel=True, **kwargs)
+    expected = prepare_targets(packing.labels, **kwargs)
+    torch.testing.assert_close(ours.targets, expected.targets, rtol=0, atol=0)
+    torch.testing.assert_close(ours.coef, expected.coef, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
