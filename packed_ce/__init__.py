@@ -4,16 +4,24 @@ The public surface:
 - :func:`cross_entropy` and :class:`PackedCrossEntropyLoss`: the loss on logits.
 - :func:`fused_linear_cross_entropy` and :class:`FusedLinearPackedCrossEntropyLoss`: the LM head
   and the loss together, never materialising the ``(N, V)`` logits.
+- :class:`LossOptions` and :class:`ChunkOptions`: the options of both, as one checked object
+  (the functions also take them as keywords).
+- :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
 """
 
 from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
+from .options import ChunkOptions, LossOptions
+from .targets import count_normaliser
 
 __all__ = [
     "cross_entropy",
     "PackedCrossEntropyLoss",
     "fused_linear_cross_entropy",
     "FusedLinearPackedCrossEntropyLoss",
+    "LossOptions",
+    "ChunkOptions",
+    "count_normaliser",
 ]
 __version__ = "0.1.0"

@@ -1,490 +1,19 @@
 """``fused_linear_cross_entropy``: the LM head and the packed loss without the ``(N, V)`` logits.
 
-Notation: ``X = hidden`` ``(N, H)``, ``W = weight`` ``(V, H)``, ``b = bias`` ``(V,)``, logits
-``Z = X W^T + b`` ``(N, V)``, and ``L = sum_t coef[t] * l_t(Z_t)`` with the per-row coefficients
-of :mod:`packed_ce.targets` (packing, shift, reduction and ``num_items_in_batch`` folded in). With
-``G = dL/dZ`` ``(N, V)`` (the cross-entropy kernel's output), the chain rule through the linear
-layer gives
-
-    dL/dX = G W            (N, V) @ (V, H)
-    dL/dW = G^T X          (V, N) @ (N, H)  = sum over row chunks c of G_c^T X_c
-    dL/db = 1^T G          column sums of G
-
-Every term is a sum over rows, so the rows can be processed in chunks of ``C``: only one
-``(C, V)`` block of logits exists at a time, in a buffer reused by every chunk. Rows without a
-target (``coef == 0``) have ``G_t = 0``: they add nothing to any term and can skip the GEMMs
-altogether, which needs their number on the host (one wait for the device, see
-``drop_ignored_rows``).
-
-- Reductions "mean" and "sum" (one scalar upstream gradient ``g``): the forward computes the loss
-  and the gradients for ``g = 1`` in the same pass over each chunk (GEMM, kernel writing ``G_c``
-  over ``Z_c`` in place, two GEMMs), and the backward only multiplies them by ``g``, which costs
-  nothing on the device when ``g == 1`` and no host sync ever. FLOPs: ``6 M H V`` for the M
-  rows that go through the GEMMs (M = N unless rows without a target are dropped), as unfused.
-- Reduction "none" (one upstream gradient per row): ``dL/dW = G^T diag(g) X`` cannot be rescaled
-  after the fact, so the forward keeps only the per-row ``lse`` and the backward recomputes each
-  chunk's logits. fp16 inputs take this path for every reduction: their ``G`` must be formed with
-  the loss-scaled upstream gradient, or its small entries flush to zero in fp16. FLOPs: ``8 M H V``.
-
-Memory beyond the inputs and their gradients: the ``(C, V)`` chunk buffer in the input dtype
-(``C`` is chosen so that it holds about 256 MiB: 1024 rows of a 128256-token vocabulary in bf16),
-two ``(C, H)`` blocks when rows are dropped (the chunk's gathered rows and their gradient) and,
-with ``grad_accumulation_dtype=torch.float32`` and a half-precision weight, the float32
-``(V, H)`` accumulator of ``dL/dW``.
-
-Dimensions: N tokens, H hidden size, V vocabulary, C rows per chunk, M rows through the GEMMs.
+The public function and module; the chunked algorithm (forward, backward, memory and FLOPs) is
+in :mod:`packed_ce.chunks`.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from torch import nn
 
-from .cross_entropy import KERNEL_DTYPES, REFERENCE_DTYPES
-from .reference import token_losses
+from .chunks import chunked_loss
+from .options import Boundaries, ChunkOptions, LossOptions, changed_fields, split_keywords
+from .pipeline import run_loss
 from .runtime import resolve_backend
-from .targets import check_arguments, check_values, is_tracing, prepare_targets
-
-# Bytes of one chunk of logits. 256 MiB is 1024 rows at V=128256 in bf16: the GEMMs keep
-# M = C >= 1024 rows (full tiles, efficient), while the chunk stays a small fraction of the
-# (N, V) logits it replaces (2 GiB at N=8192).
-CHUNK_BYTES = 256 * 2**20
-# Chunks are a multiple of this many rows, so that every GEMM but the last one runs whole tiles.
-CHUNK_ROW_MULTIPLE = 128
-
-
-def default_chunk_size(vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: about :data:`CHUNK_BYTES` of ``dtype`` logits, a multiple of 128 rows."""
-    rows = CHUNK_BYTES // (vocab_size * dtype.itemsize)
-    return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
-
-
-# --- the per-chunk cross entropy: the Triton kernel, or the PyTorch reference -----------------
-
-
-@dataclass(frozen=True)
-class _ChunkLoss:
-    """How one backend computes the loss and ``dL/dZ`` of a chunk of logits.
-
-    forward(z, targets, coef, write_grad) -> (loss, z_term, lse), each ``(C,)``; with
-        ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1.
-    backward(z, targets, coef, lse, grad_rows): overwrites ``z`` with ``dL/dZ`` for the per-row
-        upstream gradients ``grad_rows`` ``(C,)``.
-    scale(grad, g): ``grad *= g`` in place for a 2-D ``grad`` and a 0-d device ``g``.
-    """
-
-    forward: Callable
-    backward: Callable
-    scale: Callable
-
-
-def _triton_chunk_loss(label_smoothing: float, z_loss_scale: float, softcap: float | None):
-    from .kernels.cross_entropy import launch_backward, launch_forward, scale_in_place
-
-    hyper = dict(
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=0.0 if softcap is None else softcap,
-    )
-
-    def forward(z, targets, coef, write_grad):
-        # the kernel reads each element of a row before writing its gradient: in place is safe
-        return launch_forward(z, targets, coef, z if write_grad else None, **hyper)
-
-    def backward(z, targets, coef, lse, grad_rows):
-        launch_backward(z, z, targets, coef, lse, grad_rows.float(), **hyper)
-
-    return _ChunkLoss(forward=forward, backward=backward, scale=scale_in_place)
-
-
-def _torch_chunk_loss(
-    ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float | None
-):
-    hyper = dict(
-        ignore_index=ignore_index,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-    )
-
-    def rows(z, targets, coef, grad_rows=None):
-        """``(coef * l, coef * z_term)`` of a chunk; also ``dL/dZ`` into ``z`` if ``grad_rows``."""
-        x = z.detach().to(coef.dtype).requires_grad_(grad_rows is not None)
-        with torch.enable_grad():  # autograd through the reference on the upcast chunk
-            loss, z_term = token_losses(x, targets, **hyper)
-            loss, z_term = coef * loss, coef * z_term
-            if grad_rows is not None:
-                (grad,) = torch.autograd.grad(loss, x, grad_rows.to(loss.dtype))
-                z.copy_(grad)
-        return loss.detach(), z_term.detach()
-
-    def forward(z, targets, coef, write_grad):
-        ones = torch.ones_like(coef) if write_grad else None
-        # no lse: the backward below recomputes everything from the logits
-        return (*rows(z, targets, coef, ones), None)
-
-    def backward(z, targets, coef, lse, grad_rows):
-        rows(z, targets, coef, grad_rows)
-
-    def scale(grad, g):
-        grad.mul_(g.to(grad.dtype))
-
-    return _ChunkLoss(forward=forward, backward=backward, scale=scale)
-
-
-# --- the chunk loop ---------------------------------------------------------------------------
-
-
-@functools.cache
-def _addmm_accumulates_in_fp32(device: torch.device) -> bool:
-    """Whether this PyTorch's CUDA ``addmm`` adds a half-precision product into an fp32 tensor.
-
-    ``out_dtype`` exists since PyTorch 2.8, and early versions required ``self`` to have the
-    factors' dtype; the check raises on the host before any launch, so probing costs no sync.
-    """
-    acc = torch.zeros(2, 2, device=device)
-    half = torch.zeros(2, 2, device=device, dtype=torch.bfloat16)
-    try:
-        torch.addmm(acc, half, half, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError):
-        return False
-    return True
-
-
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """``out = a @ b`` or ``out += a @ b``; ``out`` may be wider than ``a`` and ``b``.
-
-    Args:
-        out: ``(V, H)`` of ``a``'s dtype or float32 (a wider accumulator).
-        a, b: ``(V, C)`` and ``(C, H)`` of one dtype.
-    """
-    beta = 1 if accumulate else 0  # beta=0: out's old contents are ignored, even NaN
-    if out.dtype == a.dtype:
-        out.addmm_(a, b, beta=beta)
-    elif out.is_cuda and _addmm_accumulates_in_fp32(out.device):
-        # the GEMM accumulates in fp32 anyway; this keeps its result in fp32 too
-        torch.addmm(out, a, b, beta=beta, out_dtype=out.dtype, out=out)
-    else:
-        # CPU, or a PyTorch without out_dtype: upcast copies of the factors (slower, exact)
-        out.addmm_(a.to(out.dtype), b.to(out.dtype), beta=beta)
-
-
-@dataclass
-class _Chunks:
-    """The rows that go through the GEMMs, ``size`` at a time.
-
-    Rows without a target (``coef == 0``: ignored labels, prompts, the last token of a sequence
-    under ``shift``) have a zero loss and a zero gradient row, so they can be left out of every
-    GEMM; the result is the same. ``rows`` lists the others, or is None to take every row.
-
-    Attributes:
-        n: N, the number of rows.
-        size: C, rows per chunk.
-        rows: ``(M,)`` int64 ascending indices of the rows taken, or None (M = N): chunks are
-            then slices of the inputs (views, no copy) instead of gathered rows.
-    """
-
-    n: int
-    size: int
-    rows: torch.Tensor | None
-
-    @property
-    def count(self) -> int:
-        """M, the number of rows taken."""
-        return self.n if self.rows is None else self.rows.numel()
-
-    def __iter__(self):
-        """``(position, selection)`` per chunk: a slice of the M rows taken, and the same rows
-        of the N inputs (that slice, or an index tensor)."""
-        for start in range(0, self.count, self.size):
-            position = slice(start, min(start + self.size, self.count))
-            yield position, position if self.rows is None else self.rows[position]
-
-    def compact(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``(N, ...)`` -> ``(M, ...)``: the rows taken."""
-        return tensor if self.rows is None else tensor[self.rows]
-
-    def expand(self, values: torch.Tensor) -> torch.Tensor:
-        """``(M,)`` -> ``(N,)``: zeros in the rows left out."""
-        if self.rows is None:
-            return values
-        return values.new_zeros(self.n).index_copy_(0, self.rows, values)
-
-
-def _take(tensor: torch.Tensor, selection) -> torch.Tensor:
-    """The rows of a chunk: a view for a slice, a gathered copy (C rows) for an index tensor."""
-    return tensor[selection] if isinstance(selection, slice) else tensor.index_select(0, selection)
-
-
-@dataclass
-class _Grads:
-    """Gradient buffers filled chunk by chunk; None where no gradient is needed.
-
-    Attributes:
-        hidden: ``(N, H)`` of the hidden dtype, each chunk's rows written once.
-        weight: ``(V, H)`` accumulator, the weight's dtype or float32.
-        bias: ``(V,)`` accumulator, float32 (float64 for a float64 bias): only V numbers.
-    """
-
-    hidden: torch.Tensor | None
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    @classmethod
-    def allocate(cls, hidden, weight, bias, needs, accumulation_dtype, chunks: _Chunks) -> _Grads:
-        vocab = weight.shape[0]
-        # rows left out of the chunks keep a zero gradient
-        make_hidden = torch.empty if chunks.rows is None else torch.zeros
-        # the first chunk overwrites the accumulator (beta=0), so it needs no memset of V*H,
-        # unless no chunk runs at all
-        make_weight = torch.empty if chunks.count > 0 else torch.zeros
-        return cls(
-            hidden=make_hidden(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-            if needs[0]
-            else None,
-            weight=make_weight(weight.shape, dtype=accumulation_dtype, device=weight.device)
-            if needs[1]
-            else None,
-            bias=torch.zeros(
-                vocab, dtype=torch.promote_types(bias.dtype, torch.float32), device=bias.device
-            )
-            if needs[2] and bias is not None
-            else None,
-        )
-
-    def add_chunk(self, grad_z, hidden_c, weight, selection, first: bool) -> None:
-        """Adds the contribution of one chunk.
-
-        Args:
-            grad_z: ``(C, V)`` ``dL/dZ_c``, the hidden dtype. hidden_c: ``(C, H)``, its rows.
-            weight: ``(V, H)``. selection: the chunk's rows of the N (slice or index tensor).
-            first: the first chunk, which overwrites the dL/dW accumulator.
-        """
-        if self.hidden is not None:
-            # dL/dX_c = G_c W: these rows depend on this chunk only, written once
-            if isinstance(selection, slice):
-                torch.mm(grad_z, weight, out=self.hidden[selection])
-            else:
-                self.hidden.index_copy_(0, selection, grad_z @ weight)
-        if self.weight is not None:
-            # dL/dW += G_c^T X_c
-            _matmul_into(self.weight, grad_z.t(), hidden_c, accumulate=not first)
-        if self.bias is not None:
-            # dL/db += 1^T G_c, summed in fp32 (or fp64)
-            self.bias += grad_z.sum(0, dtype=self.bias.dtype)
-
-    def finish(self, weight, bias) -> tuple[torch.Tensor | None, ...]:
-        """``(dL/dX, dL/dW, dL/db)`` in the dtypes of their inputs."""
-        grad_weight = self.weight.to(weight.dtype) if self.weight is not None else None
-        grad_bias = self.bias.to(bias.dtype) if self.bias is not None else None
-        return self.hidden, grad_weight, grad_bias
-
-
-def _linear_into(out, hidden_c, weight, bias) -> torch.Tensor:
-    """``out = hidden_c @ weight.T (+ bias)``: F.linear's GEMM, in the input dtype.
-
-    Args:
-        out: ``(C, V)`` contiguous, the hidden dtype. hidden_c: ``(C, H)``.
-        weight: ``(V, H)``. bias: ``(V,)`` or None.
-    """
-    if bias is None:
-        return torch.mm(hidden_c, weight.t(), out=out)
-    return torch.addmm(bias, hidden_c, weight.t(), out=out)
-
-
-def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, grads):
-    """Loss rows, z-term rows and lse; also fills ``grads`` (upstream gradient 1) if given.
-
-    Args:
-        hidden: ``(N, H)``; weight: ``(V, H)``; bias: ``(V,)`` or None; one float dtype.
-        targets: ``(M,)`` int64 and coef: ``(M,)`` fp32 (fp64 for fp64 inputs) of the rows
-            taken (:meth:`_Chunks.compact`).
-        chunks: :class:`_Chunks`. grads: :class:`_Grads` or None.
-
-    Returns:
-        ``(loss, z_term, lse)``: ``(M,)`` in coef's dtype; lse None on the torch backend.
-    """
-    buffer = hidden.new_empty(min(chunks.size, chunks.count), weight.shape[0])  # (C, V), reused
-    loss_rows, z_rows, lse_rows = [coef.new_zeros(0)], [coef.new_zeros(0)], []
-    for position, selection in chunks:
-        hidden_c = _take(hidden, selection)
-        z = _linear_into(buffer[: len(hidden_c)], hidden_c, weight, bias)
-        loss, z_term, lse = chunk_loss.forward(
-            z, targets[position], coef[position], grads is not None
-        )
-        if grads is not None:
-            grads.add_chunk(z, hidden_c, weight, selection, first=position.start == 0)
-        loss_rows.append(loss)
-        z_rows.append(z_term)
-        lse_rows.append(lse)
-    lse = torch.cat(lse_rows) if lse_rows and lse_rows[0] is not None else None  # None: torch
-    return torch.cat(loss_rows), torch.cat(z_rows), lse
-
-
-def _backward_chunks(
-    hidden, weight, bias, targets, coef, lse, grad_rows, chunks, chunk_loss, grads
-):
-    """Fills ``grads`` for per-row upstream gradients, recomputing each chunk's logits.
-
-    Args: as :func:`_forward_chunks`, plus lse ``(M,)`` fp32 from the forward (None on the torch
-    backend) and grad_rows ``(M,)``, the upstream gradient of every row taken (any stride).
-    """
-    buffer = hidden.new_empty(min(chunks.size, chunks.count), weight.shape[0])
-    for position, selection in chunks:
-        hidden_c = _take(hidden, selection)
-        z = _linear_into(buffer[: len(hidden_c)], hidden_c, weight, bias)
-        chunk_loss.backward(
-            z,
-            targets[position],
-            coef[position],
-            lse[position] if lse is not None else None,
-            grad_rows[position],
-        )
-        grads.add_chunk(z, hidden_c, weight, selection, first=position.start == 0)
-
-
-# --- autograd -------------------------------------------------------------------------------
-
-
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Autograd for the chunked LM head + loss: gradients in the forward for "mean"/"sum",
-    recomputation in the backward for "none" (see the module docstring)."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        hidden: torch.Tensor,  # (N, H) fp32/bf16/fp16 (fp64 on the torch backend)
-        weight: torch.Tensor,  # (V, H) hidden's dtype
-        bias: torch.Tensor | None,  # (V,) hidden's dtype
-        targets: torch.Tensor,  # (N,) int64, from prepare_targets
-        coef: torch.Tensor,  # (N,) fp32 (fp64 with fp64 inputs), from prepare_targets
-        chunk_loss: _ChunkLoss,
-        chunk_size: int,
-        accumulation_dtype: torch.dtype,  # of the dL/dW accumulator
-        drop_ignored_rows: bool,  # leave rows with coef == 0 out of the GEMMs (one host sync)
-        reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
-        compute_grad: bool,  # grad mode is on (ctx.needs_input_grad ignores torch.no_grad)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        needs = tuple(compute_grad and flag for flag in ctx.needs_input_grad[:3])
-        # nonzero waits for the device: the host needs M to size the GEMMs
-        rows = torch.nonzero(coef).squeeze(1) if drop_ignored_rows else None
-        chunks = _Chunks(n=hidden.shape[0], size=chunk_size, rows=rows)
-        targets, coef = chunks.compact(targets), chunks.compact(coef)
-        # fp16 recomputes in the backward, as "none" does: dL/dZ computed now for g = 1 would
-        # flush its small entries to zero before the loss scale of fp16 training reaches it.
-        ctx.fused = reduce and any(needs) and hidden.dtype != torch.float16
-        ctx.backward_done = False
-        ctx.chunk_loss, ctx.chunk_size = chunk_loss, chunk_size
-        ctx.accumulation_dtype, ctx.needs = accumulation_dtype, needs
-        grads = None
-        if ctx.fused:
-            grads = _Grads.allocate(hidden, weight, bias, needs, accumulation_dtype, chunks)
-        loss, z_rows, lse = _forward_chunks(
-            hidden, weight, bias, targets, coef, chunks, chunk_loss, grads
-        )
-        if ctx.fused:
-            ctx.save_for_backward(*grads.finish(weight, bias))
-        elif any(needs):
-            ctx.save_for_backward(hidden, weight, bias, targets, coef, lse, rows)
-        if reduce:
-            loss, z_rows = loss.sum(), z_rows.sum()
-        else:
-            loss, z_rows = chunks.expand(loss), chunks.expand(z_rows)
-        ctx.mark_non_differentiable(z_rows)
-        return loss, z_rows
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor, grad_z: torch.Tensor):
-        if ctx.fused:
-            if ctx.backward_done:
-                # the gradients are scaled in place: a second backward would scale them twice
-                raise RuntimeError(
-                    "packed_ce.fused_linear_cross_entropy supports one backward per forward; "
-                    "recompute the loss instead of retain_graph=True"
-                )
-            ctx.backward_done = True
-            grads = ctx.saved_tensors
-            # d(g L)/d. = g dL/d.: rescale the gradients computed for g = 1 (free when g == 1)
-            for grad in grads:
-                if grad is not None:
-                    ctx.chunk_loss.scale(grad.view(-1, grad.shape[-1]), grad_loss)
-            grad_hidden, grad_weight, grad_bias = grads
-        else:
-            hidden, weight, bias, targets, coef, lse, rows = ctx.saved_tensors
-            chunks = _Chunks(n=hidden.shape[0], size=ctx.chunk_size, rows=rows)
-            grads = _Grads.allocate(hidden, weight, bias, ctx.needs, ctx.accumulation_dtype, chunks)
-            # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
-            grad_rows = grad_loss.expand(hidden.shape[0]) if grad_loss.dim() == 0 else grad_loss
-            with torch.autocast(hidden.device.type, enabled=False):
-                _backward_chunks(
-                    hidden,
-                    weight,
-                    bias,
-                    targets,
-                    coef,
-                    lse,
-                    chunks.compact(grad_rows),
-                    chunks,
-                    ctx.chunk_loss,
-                    grads,
-                )
-            grad_hidden, grad_weight, grad_bias = grads.finish(weight, bias)
-        # One gradient per forward input: hidden, weight, bias, then targets, coef and the
-        # six options (chunk_loss, chunk_size, accumulation_dtype, drop_ignored_rows, reduce,
-        # compute_grad).
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
-
-
-@torch.compiler.disable
-def _fused_linear_rows(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    # Runs eagerly inside a compiled model (one graph break at the loss): a handful of GEMMs
-    # and kernel launches per chunk, nothing for the compiler to fuse, and in-place gradients
-    # that a functional graph could not hand back.
-    return FusedLinearCrossEntropyFunction.apply(*args)
-
-
-# --- the public function and module ---------------------------------------------------------
-
-
-def _check_types(hidden, weight, bias) -> None:
-    for name, tensor in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be None or a torch.Tensor, got {type(bias).__name__}")
-
-
-def _check_linear(hidden, weight, bias, allowed_dtypes) -> None:
-    if hidden.dtype not in allowed_dtypes:
-        raise TypeError(f"hidden must have dtype in {allowed_dtypes}, got {hidden.dtype}")
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be (N, H) or (B, T, H), got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight must be (V, H) with H={hidden.shape[-1]} as in hidden, "
-            f"got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise TypeError(
-            f"weight must have the dtype of hidden ({hidden.dtype}), got {weight.dtype}"
-        )
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden on {hidden.device}")
-    if bias is not None:
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(
-                f"bias must be (V,) = ({weight.shape[0]},), got shape {tuple(bias.shape)}"
-            )
-        if bias.dtype != hidden.dtype:
-            raise TypeError(
-                f"bias must have the dtype of hidden ({hidden.dtype}), got {bias.dtype}"
-            )
-        if bias.device != hidden.device:
-            raise ValueError(f"bias is on {bias.device} but hidden on {hidden.device}")
+from .validation import allowed_dtypes, check_linear, check_tensor
 
 
 def _autocast(hidden, weight, bias):
@@ -507,21 +36,10 @@ def fused_linear_cross_entropy(
     bias: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    is_packed: bool = False,
-    shift: bool = False,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    label_smoothing: float = 0.0,
-    z_loss_scale: float = 0.0,
-    softcap: float | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
-    return_z_loss: bool = False,
-    inplace_backward: bool = False,
-    backend: str = "auto",
-    validate: bool = True,
-    grad_accumulation_dtype: torch.dtype | None = None,
-    chunk_size: int | None = None,
-    drop_ignored_rows: bool = False,
+    options: LossOptions | None = None,
+    chunk_options: ChunkOptions | None = None,
+    **keywords,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`packed_ce.cross_entropy` of ``hidden @ weight.T + bias``, never forming the logits.
 
@@ -541,31 +59,19 @@ def fused_linear_cross_entropy(
         weight: ``(V, H)``, the dtype and device of ``hidden`` (an ``lm_head.weight``).
         labels: ``(N,)`` or ``(B, T)`` integer class indices or ``ignore_index``.
         bias: ``(V,)`` or None.
-        cu_seqlens, position_ids, is_packed, shift, ignore_index, reduction, label_smoothing,
-            z_loss_scale, softcap, num_items_in_batch, return_z_loss, validate: as in
-            :func:`packed_ce.cross_entropy`.
-        inplace_backward: accepted for the signature of :func:`packed_ce.cross_entropy`; no
-            effect, since the logits are internal and their chunk buffer always receives the
-            gradient in place.
-        backend: "triton" (the cross-entropy kernel on each chunk; CPU tensors through the
-            Triton interpreter when ``TRITON_INTERPRET=1``), "torch" (the same chunked algorithm
-            with the PyTorch reference's per-token loss, differentiated by autograd on each
-            upcast chunk), or "auto" (Triton on CUDA, torch elsewhere).
-        grad_accumulation_dtype: dtype of the running sum ``dL/dW = sum_c G_c^T X_c`` over
-            chunks. None (default): the weight's dtype, no memory beyond ``dL/dW`` itself; with
-            a bf16 weight the sum is rounded to bf16 after each of the ``ceil(N / chunk_size)``
-            chunks (8 significant bits, up to ``2**-9`` relative per rounding) where the unfused
-            GEMM rounds once. ``torch.float32``: one rounding at the end, as unfused, for an
-            extra ``V * H * 4`` bytes while the forward runs (2 GiB at V=128256, H=4096) and
-            twice the accumulator traffic per chunk. Never narrower than the weight's dtype.
-        chunk_size: rows of logits per chunk; default about 256 MiB of logits (1024 rows at
-            V=128256 in bf16). Larger chunks use more memory and run the GEMMs on larger tiles.
-        drop_ignored_rows: leave the rows without a target (``ignore_index``, the last token of
-            each sequence under ``shift``, and every row when ``D == 0``) out of the GEMMs. The
-            result is the same (their loss and gradient are 0) and the work shrinks by their
-            share, typically the prompts in supervised fine-tuning; the host waits for the
-            device once to learn their number, so it is off by default (the path stays free of
-            host syncs) and ignored while tracing (torch.compile, CUDA-graph capture).
+        cu_seqlens, position_ids, num_items_in_batch: as in :func:`packed_ce.cross_entropy`.
+        options: a :class:`packed_ce.LossOptions`, as in :func:`packed_ce.cross_entropy`
+            (``inplace_backward`` has no effect here: the logits are internal and their chunk
+            buffer always receives the gradient in place; ``backend="torch"`` runs the same
+            chunked algorithm with the PyTorch reference's per-token loss, differentiated by
+            autograd on each upcast chunk).
+        chunk_options: a :class:`packed_ce.ChunkOptions`.
+        **keywords: the fields of :class:`packed_ce.LossOptions` (as in
+            :func:`packed_ce.cross_entropy`) and of :class:`packed_ce.ChunkOptions`:
+            ``grad_accumulation_dtype=None`` (dtype of the running ``dL/dW`` over chunks),
+            ``chunk_size=None`` (rows of logits per chunk; default about 256 MiB of logits),
+            ``drop_ignored_rows=False`` (leave rows without a target out of the GEMMs, one host
+            sync), each explained there; they override the objects' fields.
 
     Returns:
         As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the
@@ -587,117 +93,56 @@ def fused_linear_cross_entropy(
         >>> loss
         tensor(1.3863, grad_fn=<FusedLinearCrossEntropyFunctionBackward>)
     """
-    _check_types(hidden, weight, bias)
-    backend = resolve_backend(backend, hidden)
-    allowed_dtypes = KERNEL_DTYPES if backend == "triton" else REFERENCE_DTYPES
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    check_tensor("bias", bias, optional=True)
+    options, chunk_options = split_keywords(
+        keywords, options, chunked=True, chunk_options=chunk_options
+    )
+    backend = resolve_backend(options.backend, hidden)
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    _check_linear(hidden, weight, bias, allowed_dtypes)
-    vocab = weight.shape[0]
-    check_arguments(
-        torch.Size((*hidden.shape[:-1], vocab)),
-        hidden.dtype,
-        hidden.device,
-        labels,
-        cu_seqlens=cu_seqlens,
-        position_ids=position_ids,
-        is_packed=is_packed,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-        num_items_in_batch=num_items_in_batch,
-        allowed_dtypes=allowed_dtypes,
-        name="hidden @ weight.T",
-    )
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be None or a positive int, got {chunk_size!r}")
-    if grad_accumulation_dtype is not None and (
-        not isinstance(grad_accumulation_dtype, torch.dtype)
-        or not grad_accumulation_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"grad_accumulation_dtype must be None or a floating torch.dtype, "
-            f"got {grad_accumulation_dtype!r}"
-        )
-    if validate and backend == "torch":  # the reference would fail on a bad label anyway
-        check_values(labels, vocab, ignore_index, cu_seqlens)
-
-    compute_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    prepared = prepare_targets(
-        labels,
-        cu_seqlens=cu_seqlens,
-        position_ids=position_ids,
-        is_packed=is_packed,
-        shift=shift,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        num_items_in_batch=num_items_in_batch,
-        dtype=compute_dtype,
-        use_kernel=backend == "triton",
-    )
-    if backend == "triton":
-        chunk_loss = _triton_chunk_loss(label_smoothing, z_loss_scale, softcap)
-    else:
-        chunk_loss = _torch_chunk_loss(ignore_index, label_smoothing, z_loss_scale, softcap)
-    if chunk_size is None:
-        # the torch backend also holds the chunk upcast to the compute dtype
-        chunk_size = default_chunk_size(
-            vocab, compute_dtype if backend == "torch" else hidden.dtype
-        )
-    accumulation_dtype = weight.dtype
-    if (
-        grad_accumulation_dtype is not None
-        and grad_accumulation_dtype.itemsize > weight.dtype.itemsize
-    ):
-        accumulation_dtype = grad_accumulation_dtype
-    drop_ignored_rows = drop_ignored_rows and not is_tracing()
-    compute_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
-    )
-    with torch.autocast(hidden.device.type, enabled=False):
-        loss, z_loss = _fused_linear_rows(
-            hidden.reshape(-1, hidden.shape[-1]),
+    check_linear(hidden, weight, bias, allowed_dtypes(backend))
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return run_loss(
+        lambda prepared: chunked_loss(
+            rows,
             weight,
             bias,
-            prepared.targets,
-            prepared.coef,
-            chunk_loss,
-            chunk_size,
-            accumulation_dtype,
-            drop_ignored_rows,
-            reduction != "none",
-            compute_grad,
-        )
-    if reduction == "none":
-        loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
-    if validate and backend == "triton":
-        # After the launches, as in cross_entropy: the host sync then waits for work already
-        # queued. The kernel is memory-safe on bad labels (NaN loss); the error is raised here.
-        check_values(labels, vocab, ignore_index, cu_seqlens)
-    return (loss, z_loss) if return_z_loss else loss
+            prepared,
+            backend=backend,
+            options=options,
+            chunk_options=chunk_options,
+        ),
+        labels,
+        Boundaries(cu_seqlens, position_ids, num_items_in_batch),
+        options,
+        backend=backend,
+        logits_shape=torch.Size((*hidden.shape[:-1], weight.shape[0])),
+        dtype=hidden.dtype,
+        device=hidden.device,
+        name="hidden @ weight.T",
+    )
 
 
 class FusedLinearPackedCrossEntropyLoss(nn.Module):
     """Module form of :func:`fused_linear_cross_entropy`: holds the keyword options.
 
     Args:
-        **options: any keyword of :func:`fused_linear_cross_entropy` except the tensors
-            (``bias``, ``cu_seqlens``, ``position_ids`` go to ``forward``).
+        **options: the fields of :class:`packed_ce.LossOptions` and :class:`packed_ce.ChunkOptions`
+            (the keywords of :func:`fused_linear_cross_entropy` except the tensors: ``bias``,
+            ``cu_seqlens``, ``position_ids`` and ``num_items_in_batch`` go to ``forward``).
 
     Example:
         >>> loss_fn = FusedLinearPackedCrossEntropyLoss(is_packed=True, shift=True)
+        >>> loss_fn
+        FusedLinearPackedCrossEntropyLoss(is_packed=True, shift=True)
         >>> loss = loss_fn(hidden, model.lm_head.weight, batch["labels"],
         ...                cu_seqlens=batch["cu_seqlens"])  # doctest: +SKIP
     """
 
     def __init__(self, **options):
         super().__init__()
-        for name in ("bias", "cu_seqlens", "position_ids"):
-            if name in options:
-                raise TypeError(f"{name} is passed to forward, not to the constructor")
-        self.options = options
+        self.options, self.chunk_options = split_keywords(options, chunked=True)
 
     def forward(
         self,
@@ -709,9 +154,6 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         num_items_in_batch: int | torch.Tensor | None = None,
         bias: torch.Tensor | None = None,  # after the contract's arguments: an extension
     ):
-        options = dict(self.options)
-        if num_items_in_batch is not None:
-            options["num_items_in_batch"] = num_items_in_batch
         return fused_linear_cross_entropy(
             hidden,
             weight,
@@ -719,8 +161,10 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
             bias=bias,
             cu_seqlens=cu_seqlens,
             position_ids=position_ids,
-            **options,
+            num_items_in_batch=num_items_in_batch,
+            options=self.options,
+            chunk_options=self.chunk_options,
         )
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return changed_fields(self.options, self.chunk_options)

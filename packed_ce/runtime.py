@@ -22,13 +22,12 @@ TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"`` for ``backend`` in ("auto", "triton", "torch").
+    """``"triton"`` or ``"torch"`` for ``backend`` in ("auto", "triton", "torch"), as checked by
+    :class:`packed_ce.options.LossOptions`.
 
     ``"auto"`` takes the Triton kernel on CUDA tensors and the PyTorch reference elsewhere (the
     interpreter is a correctness tool, far slower than PyTorch on the CPU).
     """
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "auto":
         return "triton" if tensor.is_cuda and TRITON_AVAILABLE else "torch"
     if backend == "triton":

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-REDUCTIONS = ("mean", "sum", "none")
+from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
 
 
 @dataclass
@@ -37,141 +37,6 @@ class Targets:
 
     targets: torch.Tensor
     coef: torch.Tensor
-
-
-def is_tracing() -> bool:
-    """True under torch.compile or CUDA-graph capture, where a host sync is impossible."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def check_arguments(
-    logits_shape: torch.Size,
-    logits_dtype: torch.dtype,
-    logits_device: torch.device,
-    labels: torch.Tensor,
-    *,
-    cu_seqlens: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    is_packed: bool,
-    reduction: str,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float | None,
-    num_items_in_batch,
-    allowed_dtypes: tuple[torch.dtype, ...],
-    name: str = "logits",
-) -> None:
-    """Checks everything that can be checked from shapes, dtypes and Python values (free)."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if logits_dtype not in allowed_dtypes:
-        raise TypeError(f"{name} must have dtype in {allowed_dtypes}, got {logits_dtype}")
-    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if len(logits_shape) not in (2, 3):
-        raise ValueError(f"{name} must be (N, V) or (B, T, V), got shape {tuple(logits_shape)}")
-    if tuple(labels.shape) != tuple(logits_shape[:-1]):
-        raise ValueError(
-            f"labels must have shape {tuple(logits_shape[:-1])} to match {name} "
-            f"{tuple(logits_shape)}, got {tuple(labels.shape)}"
-        )
-    if labels.device != logits_device:
-        raise ValueError(f"labels are on {labels.device} but {name} on {logits_device}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if float(z_loss_scale) < 0.0:
-        raise ValueError(f"z_loss_scale must be >= 0, got {z_loss_scale}")
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
-    if cu_seqlens is not None and position_ids is not None:
-        raise ValueError("give cu_seqlens or position_ids, not both")
-    if is_packed and cu_seqlens is None and position_ids is None:
-        raise ValueError(
-            "is_packed=True needs the sequence boundaries: pass cu_seqlens or position_ids"
-        )
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-        if cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-            raise ValueError(f"cu_seqlens must be 1-D (S+1,), got shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.device != logits_device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {name} on {logits_device}")
-    if position_ids is not None:
-        if not isinstance(position_ids, torch.Tensor):
-            raise TypeError(
-                f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}"
-            )
-        if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-            raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-        if position_ids.numel() != labels.numel():
-            raise ValueError(
-                f"position_ids must have one entry per token ({labels.numel()}), "
-                f"got shape {tuple(position_ids.shape)}"
-            )
-        if position_ids.device != logits_device:
-            raise ValueError(
-                f"position_ids is on {position_ids.device} but {name} on {logits_device}"
-            )
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            if num_items_in_batch.numel() != 1:
-                raise ValueError(
-                    "num_items_in_batch must be an int or a 0-d tensor, "
-                    f"got shape {tuple(num_items_in_batch.shape)}"
-                )
-        elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
-            raise TypeError(
-                "num_items_in_batch must be an int or a 0-d tensor, "
-                f"got {type(num_items_in_batch).__name__}"
-            )
-        elif num_items_in_batch < 0:
-            raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
-
-
-def check_values(
-    labels: torch.Tensor,
-    vocab_size: int,
-    ignore_index: int,
-    cu_seqlens: torch.Tensor | None,
-) -> None:
-    """Checks label range and ``cu_seqlens`` contents: one host sync on CUDA, one bool read.
-
-    Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
-    kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
-    """
-    if is_tracing():
-        return
-    bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
-    flags = [bad_label]
-    if cu_seqlens is not None:
-        n = labels.numel()
-        flags += [
-            cu_seqlens[0] != 0,
-            cu_seqlens[-1] != n,
-            (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
-        ]
-    # One transfer for all the checks; the detailed message is computed only on failure.
-    failed = torch.stack(flags).cpu().tolist()
-    if not any(failed):
-        return
-    if failed[0]:
-        bad = labels[(labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))]
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-            f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
-        )
-    cu = cu_seqlens.tolist()
-    if failed[1]:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if failed[2]:
-        raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
-    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{'...' if len(cu) > 16 else ''}")
 
 
 def sequence_ids(
@@ -214,16 +79,16 @@ def sequence_ids(
 
 def _targets_and_weights(
     labels: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    is_packed: bool,
-    shift: bool,
-    ignore_index: int,
+    boundaries: Boundaries,
+    options: LossOptions,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` and the default ``D``, in PyTorch."""
+    """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` of ``dtype`` and the default ``D``
+    (0-d int64), in PyTorch."""
+    cu_seqlens, position_ids = boundaries.cu_seqlens, boundaries.position_ids
+    shift, ignore_index = options.shift, options.ignore_index
     flat = labels.reshape(-1).to(torch.int64)
-    need_seq = is_packed or (shift and (cu_seqlens is not None or position_ids is not None))
+    need_seq = options.is_packed or (shift and (cu_seqlens is not None or position_ids is not None))
     seq, num_slots = (None, 0)
     if need_seq or (shift and labels.dim() == 2):
         seq, num_slots = sequence_ids(labels, cu_seqlens, position_ids)
@@ -240,51 +105,109 @@ def _targets_and_weights(
             targets = torch.where(same_seq, nxt, ignore)
     else:
         targets = flat
-    valid = (targets != ignore_index).to(dtype)
+    has_target = targets != ignore_index
+    valid = has_target.to(dtype)
 
-    if is_packed:
-        n_s = torch.zeros(num_slots, dtype=dtype, device=flat.device)
-        n_s.index_add_(0, seq, valid)
+    if options.is_packed:
+        n_s = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)
+        n_s.index_add_(0, seq, has_target.to(torch.int64))
         # valid tokens have n_s >= 1, the others get 0 / max(0, 1) = 0
-        return targets, valid / n_s.clamp(min=1.0)[seq], (n_s > 0).sum()
-    return targets, valid, valid.sum()
+        weight = valid / n_s.clamp(min=1).to(dtype)[seq]
+        # D: the sequences with a target
+        return targets, weight, (n_s > 0).sum()
+    # D: the targets
+    return targets, valid, has_target.sum()
 
 
-def prepare_targets(
+def count_normaliser(
     labels: torch.Tensor,
     *,
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    is_packed: bool = False,
-    shift: bool = False,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch=None,
+    options: LossOptions | None = None,
+) -> torch.Tensor:
+    """``D``, what reduction "mean" divides by when ``num_items_in_batch`` is not given.
+
+    The number of targets (``options.is_packed=False``) or of sequences with at least one target
+    (``is_packed=True``), with ``options.shift`` and ``options.ignore_index`` deciding what a
+    target is: the same count the loss uses, so the sum of this over the micro-batches and
+    processes of one optimiser step is that step's ``num_items_in_batch``.
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer labels.
+        cu_seqlens / position_ids: the sequence boundaries (at most one), or None (each row of
+            ``labels`` is one sequence).
+        options: the loss's :class:`packed_ce.options.LossOptions` (default ``LossOptions()``).
+
+    Returns:
+        0-d int64 tensor on the labels' device.
+
+    Example:
+        >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
+        >>> cu_seqlens = torch.tensor([0, 2, 4, 7], dtype=torch.int32)
+        >>> count_normaliser(labels, cu_seqlens=cu_seqlens,          # the middle one has none
+        ...                  options=LossOptions(is_packed=True, shift=True))
+        tensor(2)
+        >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=LossOptions(shift=True))
+        tensor(3)
+    """
+    boundaries = Boundaries(cu_seqlens=cu_seqlens, position_ids=position_ids)
+    options = options if options is not None else LossOptions()
+    return _targets_and_weights(labels, boundaries, options, torch.float32)[2]
+
+
+def prepare_targets(
+    labels: torch.Tensor,
+    boundaries: Boundaries | None = None,
+    options: LossOptions | None = None,
+    *,
     dtype: torch.dtype = torch.float32,
     use_kernel: bool = False,
+    **keywords,
 ) -> Targets:
     """Targets and per-token coefficients (see the module docstring) for ``labels``.
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels.
-        cu_seqlens / position_ids: sequence boundaries (at most one), or None.
-        is_packed: weight each target by ``1 / n_s`` of its sequence.
-        shift: the target of token ``t`` is ``labels[t+1]`` when ``t+1`` is in the same
-            sequence, else none.
-        num_items_in_batch: replaces the normaliser ``D`` of reduction "mean".
+        boundaries: the call's :class:`packed_ce.options.Boundaries` (sequence boundaries and
+            ``num_items_in_batch``, which replaces the normaliser ``D`` of reduction "mean").
+        options: the :class:`packed_ce.options.LossOptions`; read here: ``is_packed`` (weight
+            each target by ``1 / n_s`` of its sequence), ``shift`` (the target of token ``t`` is
+            ``labels[t+1]`` when ``t+1`` is in the same sequence, else none), ``ignore_index``
+            and ``reduction``.
         dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
         use_kernel: with ``cu_seqlens`` and float32, compute targets and weights with one Triton
             launch (:mod:`packed_ce.kernels.targets`) instead of ~25 PyTorch kernels; for the
             Triton backends in eager mode. The reference keeps the PyTorch path, so each checks
             the other.
+        **keywords: instead of the objects, their fields (``cu_seqlens=...``, ``shift=True``).
 
     Returns:
         :class:`Targets` with ``(N,)`` int64 targets and ``(N,)`` coefficients of ``dtype``.
+
+    Example:
+        Two sequences (tokens 0-2 and 3-5), labels aligned with the inputs (``shift``): the
+        targets move one token left inside each sequence, the first sequence's two targets weigh
+        1/2 each, the second's one target 1, and "mean" divides by the 2 sequences.
+
+        >>> labels = torch.tensor([-100, 4, 5, -100, -100, 6])
+        >>> cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
+        >>> prepared = prepare_targets(labels, cu_seqlens=cu_seqlens, is_packed=True, shift=True)
+        >>> prepared.targets
+        tensor([   4,    5, -100, -100,    6, -100])
+        >>> prepared.coef
+        tensor([0.2500, 0.2500, 0.0000, 0.0000, 0.5000, 0.0000])
     """
+    if keywords:
+        tensors = {name: keywords.pop(name) for name in BOUNDARY_FIELDS & set(keywords)}
+        boundaries = Boundaries(**tensors) if tensors else boundaries
+        options, _ = split_keywords(keywords, options)
+    boundaries = boundaries if boundaries is not None else Boundaries()
+    options = options if options is not None else LossOptions()
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
     if (
         use_kernel
-        and cu_seqlens is not None
+        and boundaries.cu_seqlens is not None
         and dtype == torch.float32
         and not torch.compiler.is_compiling()
     ):
@@ -292,26 +215,25 @@ def prepare_targets(
 
         targets, weight, num_items = sequence_targets(
             labels.reshape(-1).to(torch.int64),
-            cu_seqlens,
-            is_packed=is_packed,
-            shift=shift,
-            ignore_index=ignore_index,
+            boundaries.cu_seqlens,
+            is_packed=options.is_packed,
+            shift=options.shift,
+            ignore_index=options.ignore_index,
         )
     else:
-        targets, weight, num_items = _targets_and_weights(
-            labels, cu_seqlens, position_ids, is_packed, shift, ignore_index, dtype
-        )
+        targets, weight, num_items = _targets_and_weights(labels, boundaries, options, dtype)
 
-    if reduction == "mean":
-        if num_items_in_batch is not None:
-            num_items = num_items_in_batch
-            if isinstance(num_items, torch.Tensor):
-                num_items = num_items.reshape(()).to(device=labels.device)
-            else:
-                # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
-                num_items = torch.full((), float(num_items), device=labels.device)
-        num_items = num_items.to(dtype)
-        # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0.
-        scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
-        return Targets(targets=targets, coef=weight * scale)
-    return Targets(targets=targets, coef=weight)
+    if options.reduction != "mean":
+        return Targets(targets=targets, coef=weight)
+    num_items_in_batch = boundaries.num_items_in_batch
+    if num_items_in_batch is not None:
+        num_items = num_items_in_batch
+        if isinstance(num_items, torch.Tensor):
+            num_items = num_items.reshape(()).to(device=labels.device)
+        else:
+            # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
+            num_items = torch.full((), float(num_items), device=labels.device)
+    num_items = num_items.to(dtype)
+    # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0.
+    scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
+    return Targets(targets=targets, coef=weight * scale)

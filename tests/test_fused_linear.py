@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import packed_ce
-from packed_ce import fused_linear
+from packed_ce import chunks
 from packed_ce.fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from packed_ce.targets import prepare_targets
 
@@ -307,7 +307,7 @@ def test_rows_without_a_target_skip_the_gemms(backend_case, reduction, monkeypat
     with_targets = int((prepared.coef != 0).sum())
 
     gemm_rows = []  # rows of every logits GEMM
-    linear_into = fused_linear._linear_into
+    linear_into = chunks._linear_into
 
     def counting_linear_into(out, hidden_c, *args):
         gemm_rows.append(len(hidden_c))
@@ -395,7 +395,7 @@ def test_no_gradient_work_without_grad_mode(backend_case, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("a gradient was computed under torch.no_grad")
 
-    monkeypatch.setattr(fused_linear._Grads, "add_chunk", fail)
+    monkeypatch.setattr(chunks._Grads, "add_chunk", fail)
     with torch.no_grad():
         loss = fused_linear_cross_entropy(
             hidden, weight, packing.labels, bias=bias, backend=backend, chunk_size=CHUNK, **kwargs
