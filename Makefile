@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,demo]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,7 +25,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/packed-ce demo --output-dir outputs/demo
 
-# CPU suite: the Triton kernels run through the Triton interpreter on CPU tensors.
+# CPU suite: the Triton kernels run through the Triton interpreter on CPU tensors; the doctests
+# of packed_ce and packed_ce_demo run too (tests/test_doctests.py).
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 

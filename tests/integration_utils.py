@@ -14,7 +14,7 @@ import socket
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from packed_ce.demo import build_model, tiny_config
+from packed_ce_demo import build_model, tiny_config
 
 IGNORE = -100
 

@@ -19,7 +19,6 @@ from packed_ce.targets import prepare_targets
 from loss_utils import (
     KERNEL_DEVICES,
     fresh_seed,
-    per_sequence_loss,
     random_packing,
     relative_error,
 )
@@ -64,7 +63,7 @@ def _loss_and_grad(fn, logits, upstream=None):
 @pytest.mark.parametrize("shift", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift, reduction, options):
+def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift, reduction, options, per_sequence_loss):
     gen = torch.Generator().manual_seed(fresh_seed())
     vocab = 37
     packing = random_packing(gen, vocab, rows=3 if batched else None, row_len=24, n_tokens=60)
@@ -100,7 +99,7 @@ def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift
     list(itertools.product(["mean", "sum", "none"], [True, False], [True, False])),
 )
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options):
+def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options, per_sequence_loss):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     # alternate the layouts across the grid instead of multiplying it

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from packed_ce.cli import build_parser, main
+from packed_ce_demo.cli import build_parser, main
 
 datasets = pytest.importorskip("datasets")  # the demo loads its data with datasets
 

@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import SequentialSampler
 
-from packed_ce.demo import split_rows
+from packed_ce_demo import split_rows
 
 from integration_utils import (
     assert_gradients_close,

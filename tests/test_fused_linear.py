@@ -28,7 +28,6 @@ from loss_utils import (
     INTERPRETING,
     KERNEL_DEVICES,
     fresh_seed,
-    per_sequence_loss,
     random_packing,
     relative_error,
 )
@@ -156,7 +155,7 @@ def test_kernel_matches_explicit_logits(device, reduction, is_packed, shift, opt
 @pytest.mark.parametrize("is_packed", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("options", [OPTION_SETS["plain"], OPTION_SETS["all"]], ids=["plain", "all"])
-def test_kernel_matches_the_per_sequence_loop(device, is_packed, reduction, options):
+def test_kernel_matches_the_per_sequence_loop(device, is_packed, reduction, options, per_sequence_loss):
     """Against the ground truth that never sees cu_seqlens: F.cross_entropy per sequence."""
     gen = torch.Generator().manual_seed(fresh_seed())
     packing = random_packing(gen, V, n_tokens=24, device=device)
@@ -313,7 +312,7 @@ def test_rows_without_a_target_skip_the_gemms(backend_case, reduction, monkeypat
         gemm_rows.append(len(hidden_c))
         return linear_into(out, hidden_c, *args)
 
-    monkeypatch.setattr(fused_linear, "_linear_into", counting_linear_into)
+    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
     results = {}
     for drop, validate in ((False, True), (False, False), (True, False), (True, True)):
         gemm_rows.clear()

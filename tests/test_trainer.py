@@ -17,7 +17,7 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 from collators import PackedCollator, PaddedCollator, pack_dataset
-from packed_ce.demo import split_rows
+from packed_ce_demo import split_rows
 from packed_ce.integrations import PackedTrainer, apply_packed_loss
 
 from integration_utils import (

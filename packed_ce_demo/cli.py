@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``packed-ce``; returns the exit status."""
     args = build_parser().parse_args(argv)
-    from . import demo
+    import packed_ce_demo as demo
 
     if args.command == "demo":
         import torch
