@@ -32,6 +32,7 @@
 # %%
 import math
 import warnings
+from dataclasses import asdict
 
 # tqdm warns at import when Jupyter widgets are missing; this notebook does not use them
 warnings.filterwarnings("ignore", message="IProgress not found")
@@ -39,13 +40,24 @@ warnings.filterwarnings("ignore", message="IProgress not found")
 import datasets
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 from torch.utils.data import DataLoader
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 import collators
 import packed_ce
-from packed_ce.demo import build_model, per_sequence_mean_loss, split_rows, tiny_config
 from packed_ce.integrations import apply_packed_loss
+from packed_ce_demo import (
+    TOLERANCE,
+    build_model,
+    padded_loss,
+    per_sequence_mean_loss,
+    plot_losses,
+    split_rows,
+    step_batches,
+    tiny_config,
+    train_runs,
+)
 
 datasets.disable_progress_bars()
 torch.manual_seed(0)
@@ -231,31 +243,28 @@ print(f"padded, is_packed=True : {padded_loss:.6f}")
 # ## 5. The check, batch by batch
 #
 # The ground truth does not know about packing at all: every conversation alone through the
-# model, transformers' own loss, averaged over the conversations. Against it, for the first
-# batches: the packed row with `is_packed=True`, the padded batch with a per-sequence mean
-# written in plain PyTorch, and the naive token mean over the packed row.
+# model, its mean token loss (`per_sequence_mean_loss` of `packed_ce_demo`, plain PyTorch),
+# averaged over the conversations. Against it, for the first batches: the packed row with
+# `is_packed=True`, the padded batch with the same per-sequence mean, and the naive token mean
+# over the packed row.
 
 
 # %%
 def one_at_a_time(model, conversations):
-    losses = []
-    for conversation in conversations:
-        labels = torch.tensor([conversation["labels"]])
-        if (labels[0, 1:] == -100).all():
-            continue  # nothing to learn from this one
-        logits = model(input_ids=torch.tensor([conversation["input_ids"]])).logits
-        losses.append(ForCausalLMLoss(logits, labels, logits.shape[-1]))
+    """Each conversation alone (a batch of one row, no padding), averaged over conversations."""
+    losses = [
+        per_sequence_mean_loss(
+            model(input_ids=torch.tensor([c["input_ids"]])).logits, torch.tensor([c["labels"]])
+        )
+        for c in conversations
+        if any(label != -100 for label in c["labels"][1:])  # nothing to learn from the others
+    ]
     return torch.stack(losses).mean()
 
 
 def naive_loss(model, batch):
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     return ForCausalLMLoss(logits, batch["labels"], logits.shape[-1])
-
-
-def padded_reference(model, batch):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return per_sequence_mean_loss(logits, batch["labels"])
 
 
 print(
@@ -274,11 +283,7 @@ with torch.no_grad():
             break
         conversations = split_rows(rows)
         truth = one_at_a_time(model, conversations)
-        p, u, n = (
-            model(**p_batch).loss,
-            padded_reference(model, u_batch),
-            naive_loss(model, p_batch),
-        )
+        p, u, n = model(**p_batch).loss, padded_loss(model, u_batch), naive_loss(model, p_batch)
         worst = max(worst, abs(p - truth).item(), abs(u - truth).item())
         print(f"{k:>5} {len(conversations):>5} {truth:>14.6f} {p:>10.6f} {u:>10.6f} {n:>10.6f}")
 print(f"largest |difference| to the ground truth: {worst:.1e}")
@@ -292,67 +297,23 @@ assert worst <= 1e-5
 # ## 6. A short training run, three ways
 #
 # The same initial weights, the same batches, AdamW, float32: packed with `is_packed=True`,
-# padded with the per-sequence mean, and packed with the naive token mean.
+# padded with the per-sequence mean, and packed with the naive token mean. This is what
+# `packed-ce demo` runs (`train_runs` of `packed_ce_demo`), here on the rows of this notebook.
 
 # %%
 STEPS = 16
-
-
-def train(loader, loss_fn, packed_loss):
-    model = build_model(config, seed=0)
-    if packed_loss:
-        apply_packed_loss(model, is_packed=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
-    losses = []
-    for step, batch in zip(range(STEPS), loader):
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-runs = {
-    "padded, per-sequence mean": train(padded_loader, padded_reference, packed_loss=False),
-    "packed, is_packed=True": train(packed_loader, lambda m, b: m(**b).loss, packed_loss=True),
-    "packed, naive token mean": train(packed_loader, naive_loss, packed_loss=False),
-}
-gap = max(
-    abs(a - b) for a, b in zip(runs["packed, is_packed=True"], runs["padded, per-sequence mean"])
+steps = step_batches(
+    [packed[i] for i in range(STEPS * ROWS_PER_BATCH)],
+    ROWS_PER_BATCH,
+    pad_token_id=tokenizer.pad_token_id,
 )
+runs = train_runs(build_model(config, seed=0), steps, learning_rate=2e-3, progress=False)
+gap = max(abs(a - b) for a, b in zip(runs["packed"].losses, runs["padded"].losses))
 print(f"max |packed - padded| over {STEPS} steps: {gap:.1e}")
-assert gap <= 1e-5
+assert gap <= TOLERANCE
 
 # %%
-fig, (curves, gaps) = plt.subplots(1, 2, figsize=(11, 4))
-styles = {
-    "padded, per-sequence mean": ("k", "-", 3),
-    "packed, is_packed=True": ("tab:blue", "--", 1.5),
-    "packed, naive token mean": ("tab:red", ":", 1.5),
-}
-for name, losses in runs.items():
-    colour, line, width = styles[name]
-    curves.plot(range(1, STEPS + 1), losses, line, color=colour, lw=width, label=name)
-curves.set(xlabel="optimiser step", ylabel="training loss", title="Loss curves")
-curves.legend()
-baseline = runs["padded, per-sequence mean"]
-for name in ("packed, is_packed=True", "packed, naive token mean"):
-    gaps.semilogy(
-        range(1, STEPS + 1),
-        [max(abs(a - b), 1e-9) for a, b in zip(runs[name], baseline)],
-        "o-",
-        color=styles[name][0],
-        label=name,
-    )
-gaps.set(
-    xlabel="optimiser step",
-    ylabel="|loss - padded loss| (0 drawn at 1e-9)",
-    title="Distance to the unpacked run",
-)
-gaps.legend()
-plt.tight_layout()
-plt.show()
+display(plot_losses({name: asdict(run) for name, run in runs.items()}, TOLERANCE))
 
 # %% [markdown]
 # The packed run with `is_packed=True` is the unpacked per-sequence run, step for step, to

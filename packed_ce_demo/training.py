@@ -123,11 +123,13 @@ def step_batches(
     return steps
 
 
-def _model_loss(model, batch):
+def model_loss(model, batch):
+    """The loss the model computes itself (its own, or the one ``apply_packed_loss`` installed)."""
     return model(**batch, use_cache=False).loss
 
 
-def _padded_loss(model, batch):
+def padded_loss(model, batch):
+    """The unpacked baseline on a :class:`collators.PaddedCollator` batch."""
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).logits
@@ -136,9 +138,9 @@ def _padded_loss(model, batch):
 
 # name, description, the layout it trains on, its loss, whether packed_ce's loss is installed
 RUNS: list[tuple[str, str, str, Callable, bool]] = [
-    ("packed", "packed, packed_ce is_packed=True", "packed", _model_loss, True),
-    ("padded", "padded, per-sequence mean (plain PyTorch)", "padded", _padded_loss, False),
-    ("naive", "packed, transformers' token mean", "packed", _model_loss, False),
+    ("packed", "packed, packed_ce is_packed=True", "packed", model_loss, True),
+    ("padded", "padded, per-sequence mean (plain PyTorch)", "padded", padded_loss, False),
+    ("naive", "packed, transformers' token mean", "packed", model_loss, False),
 ]
 
 

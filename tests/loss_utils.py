@@ -30,6 +30,15 @@ KERNEL_DEVICES = [
     ),
 ]
 
+# The option combinations every loss is checked under: each term of l_t alone, then all at once.
+OPTION_SETS = {
+    "plain": dict(),
+    "smoothing": dict(label_smoothing=0.1),
+    "zloss": dict(z_loss_scale=1e-2),
+    "softcap": dict(softcap=3.0),
+    "all": dict(label_smoothing=0.2, z_loss_scale=1e-3, softcap=5.0),
+}
+
 
 def fresh_seed() -> int:
     """A new seed per test run (fresh inputs); printed so a failure can be replayed."""

@@ -14,23 +14,18 @@ import pytest
 import torch
 
 import packed_ce
-from packed_ce.targets import prepare_targets
+from packed_ce.options import ChunkOptions, LossOptions
+from packed_ce.targets import count_normaliser, prepare_targets
 
 from loss_utils import (
     KERNEL_DEVICES,
+    OPTION_SETS,
     fresh_seed,
     random_packing,
     relative_error,
 )
 
 V_UNALIGNED = 1531  # two full interpreter blocks and a masked tail
-OPTION_SETS = {
-    "plain": dict(),
-    "smoothing": dict(label_smoothing=0.1),
-    "zloss": dict(z_loss_scale=1e-2),
-    "softcap": dict(softcap=3.0),
-    "all": dict(label_smoothing=0.2, z_loss_scale=1e-3, softcap=5.0),
-}
 # (dtype, rtol of loss and gradients against a float64 ground truth)
 KERNEL_TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -413,6 +408,98 @@ def test_compile_fullgraph(device):
     ref_loss, ref_grad = _loss_and_grad(lambda x: step(x, packing.labels, packing.cu_seqlens), logits)
     assert relative_error(loss, ref_loss) < 1e-5
     assert relative_error(grad, ref_grad) < 1e-5
+
+
+# --- options and the normaliser ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,value,error",
+    [
+        ("label_smoothing", float("nan"), ValueError),  # NaN passes every range comparison
+        ("z_loss_scale", float("inf"), ValueError),
+        ("z_loss_scale", -1e-3, ValueError),
+        ("softcap", float("nan"), ValueError),
+        ("softcap", 0.0, ValueError),
+        ("softcap", "3", TypeError),
+        ("label_smoothing", True, TypeError),
+        ("is_packed", "yes", TypeError),
+        ("shift", 1, TypeError),
+        ("ignore_index", -100.0, TypeError),
+        ("reduction", "avg", ValueError),
+        ("backend", "cuda", ValueError),
+        ("validate", None, TypeError),
+    ],
+)
+def test_options_are_checked_once_naming_the_field(field, value, error):
+    with pytest.raises(error, match=field):
+        LossOptions(**{field: value})
+    # the same through every entry point that builds them
+    with pytest.raises(error, match=field):
+        packed_ce.cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), **{field: value})
+    with pytest.raises(error, match=field):
+        packed_ce.PackedCrossEntropyLoss(**{field: value})
+
+
+def test_chunk_options_and_unknown_keywords():
+    with pytest.raises(ValueError, match="chunk_size"):
+        ChunkOptions(chunk_size=0)
+    with pytest.raises(TypeError, match="grad_accumulation_dtype"):
+        ChunkOptions(grad_accumulation_dtype=torch.int32)
+    with pytest.raises(TypeError, match="drop_ignored_rows"):
+        ChunkOptions(drop_ignored_rows="no")
+    with pytest.raises(TypeError, match="label_smothing"):  # a typo is an error, not ignored
+        packed_ce.cross_entropy(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64), label_smothing=0.1)
+    with pytest.raises(TypeError, match="chunk_size"):  # a fused-only option on the plain loss
+        packed_ce.PackedCrossEntropyLoss(chunk_size=8)
+    with pytest.raises(TypeError, match="num_items_in_batch"):
+        packed_ce.PackedCrossEntropyLoss(num_items_in_batch=3)
+
+
+def test_options_object_equals_keywords():
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, 50, n_tokens=40)
+    logits = torch.randn(40, 50, generator=gen)
+    keywords = dict(is_packed=True, shift=True, label_smoothing=0.1, z_loss_scale=1e-3, softcap=4.0)
+    expected = packed_ce.cross_entropy(logits, packing.labels, cu_seqlens=packing.cu_seqlens, **keywords)
+    options = LossOptions(**keywords)
+    torch.testing.assert_close(
+        packed_ce.cross_entropy(logits, packing.labels, cu_seqlens=packing.cu_seqlens, options=options), expected
+    )
+    # keywords override the object's fields
+    loss_sum = packed_ce.cross_entropy(
+        logits, packing.labels, cu_seqlens=packing.cu_seqlens, options=options, reduction="sum"
+    )
+    torch.testing.assert_close(
+        loss_sum, packed_ce.cross_entropy(logits, packing.labels, cu_seqlens=packing.cu_seqlens, reduction="sum", **keywords)
+    )
+    module = packed_ce.PackedCrossEntropyLoss(**keywords)
+    assert module.options == options
+    assert repr(module) == (
+        "PackedCrossEntropyLoss(is_packed=True, shift=True, label_smoothing=0.1, z_loss_scale=0.001, softcap=4.0)"
+    )
+
+
+@pytest.mark.parametrize("boundary", ["cu", "pos"])
+@pytest.mark.parametrize("is_packed", [True, False])
+@pytest.mark.parametrize("shift", [True, False])
+def test_count_normaliser_is_what_mean_divides_by(boundary, is_packed, shift):
+    """mean * D == sum, D counted independently: sequences with a target, or targets."""
+    gen = torch.Generator().manual_seed(fresh_seed())
+    packing = random_packing(gen, 30, n_tokens=80)
+    boundaries = _boundaries(packing, boundary)
+    options = LossOptions(is_packed=is_packed, shift=shift)
+    count = count_normaliser(packing.labels, options=options, **boundaries)
+    expected = 0
+    for start, end in packing.slices:
+        targets = packing.labels[start + 1 : end] if shift else packing.labels[start:end]
+        n_s = int((targets != -100).sum())
+        expected += (n_s > 0) if is_packed else n_s
+    assert count.dtype == torch.int64 and count.dim() == 0 and int(count) == expected
+    logits = torch.randn(80, 30, generator=gen, dtype=torch.float64)
+    mean = packed_ce.cross_entropy(logits, packing.labels, options=options, **boundaries)
+    total = packed_ce.cross_entropy(logits, packing.labels, options=options, reduction="sum", **boundaries)
+    torch.testing.assert_close(mean * max(expected, 1), total)
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from loss_utils import (
     HAS_CUDA,
     INTERPRETING,
     KERNEL_DEVICES,
+    OPTION_SETS,
     fresh_seed,
     random_packing,
     relative_error,
@@ -36,13 +37,6 @@ V = 211  # unaligned: one interpreter block with a masked tail
 V_MULTI_BLOCK = 1531  # two full interpreter blocks and a masked tail
 H = 24
 CHUNK = 7  # rows per chunk: 20 tokens run 2 full chunks and a partial one
-OPTION_SETS = {
-    "plain": dict(),
-    "smoothing": dict(label_smoothing=0.1),
-    "zloss": dict(z_loss_scale=1e-2),
-    "softcap": dict(softcap=3.0),
-    "all": dict(label_smoothing=0.2, z_loss_scale=1e-3, softcap=5.0),
-}
 # relative error of loss and gradients of the kernel in float32 against a float64 reference
 FP32_TOL = 2e-5
 
