@@ -234,10 +234,10 @@ print(f"{num_sequences} conversations with {answer_lengths(example_batch)} train
 # %%
 apply_packed_loss(model, is_packed=True)
 with torch.no_grad():
-    packed_loss = model(**packed_batch).loss
-    padded_loss = model(**padded_batch).loss
-print(f"packed, is_packed=True : {packed_loss:.6f}")
-print(f"padded, is_packed=True : {padded_loss:.6f}")
+    packed_batch_loss = model(**packed_batch).loss
+    padded_batch_loss = model(**padded_batch).loss
+print(f"packed, is_packed=True : {packed_batch_loss:.6f}")
+print(f"padded, is_packed=True : {padded_batch_loss:.6f}")
 
 # %% [markdown]
 # ## 5. The check, batch by batch
