@@ -61,9 +61,10 @@ def cross_entropy(
         The gradient of ``logits`` has the logits' dtype.
 
     Raises:
-        ValueError / TypeError naming the argument, for an unknown keyword, labels outside ``[0, V)`` other than
-        ``ignore_index``, malformed ``cu_seqlens``, mismatched shapes, an unknown ``reduction``
-        or ``is_packed=True`` without boundaries.
+        ValueError / TypeError naming the argument, for an unknown keyword, an option of the
+        wrong type or out of range (NaN and infinite floats included), labels outside
+        ``[0, V)`` other than ``ignore_index``, malformed ``cu_seqlens``, mismatched shapes or
+        ``is_packed=True`` without boundaries.
 
     Example:
         >>> import torch, packed_ce

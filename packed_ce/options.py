@@ -80,8 +80,9 @@ class LossOptions:
         of range, or a NaN/infinite float.
 
     Example:
-        >>> LossOptions(is_packed=True, shift=True)
-        LossOptions(is_packed=True, shift=True, ignore_index=-100, reduction='mean', label_smoothing=0.0, z_loss_scale=0.0, softcap=None, return_z_loss=False, inplace_backward=False, backend='auto', validate=True)
+        >>> options = LossOptions(is_packed=True, shift=True, softcap=30)
+        >>> options.softcap, options.reduction
+        (30.0, 'mean')
         >>> LossOptions(label_smoothing=float("nan"))
         Traceback (most recent call last):
         ...
@@ -156,7 +157,8 @@ class ChunkOptions:
 
     def __post_init__(self):
         dtype = self.grad_accumulation_dtype
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        if dtype is not None and not floating:
             raise TypeError(
                 f"grad_accumulation_dtype must be None or a floating torch.dtype, got {dtype!r}"
             )
@@ -217,12 +219,14 @@ def split_keywords(
     unknown = sorted(set(keywords) - allowed)
     if unknown:
         tensors = set(unknown) & (BOUNDARY_FIELDS | {"bias"})
-        where = "tensors are passed to forward, not to the constructor" if tensors else (
-            "not an option"
+        what = "a per-call tensor (a module takes it in forward), " if tensors else ""
+        raise TypeError(
+            f"{', '.join(unknown)}: {what}not an option; the options are {sorted(allowed)}"
         )
-        raise TypeError(f"{', '.join(unknown)}: {where} (options are {sorted(allowed)})")
-    if options is not None and not isinstance(options, LossOptions):
-        raise TypeError(f"options must be a LossOptions, got {type(options).__name__}")
+    objects = (("options", options, LossOptions), ("chunk_options", chunk_options, ChunkOptions))
+    for name, value, kind in objects:
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     loss = {k: v for k, v in keywords.items() if k in LOSS_FIELDS}
     options = options if options is not None else LossOptions()
     options = dataclasses.replace(options, **loss) if loss else options

@@ -196,4 +196,5 @@ def check_values(
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
     if failed[2]:
         raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
-    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{'...' if len(cu) > 16 else ''}")
+    more = "..." if len(cu) > 16 else ""
+    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
