@@ -14,12 +14,19 @@ import torch
 import packed_ce
 from packed_ce.runtime import TRITON_AVAILABLE, interpreting
 
-pytestmark = pytest.mark.skipif(
-    not (TRITON_AVAILABLE and (interpreting() or torch.cuda.is_available())),
-    reason="needs the Triton interpreter (TRITON_INTERPRET=1) or CUDA",
-)
-
-DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+INTERPRETING = TRITON_AVAILABLE and interpreting()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(
+                INTERPRETING or not torch.cuda.is_available(), reason="needs a CUDA GPU"
+            ),
+        ],
+    ),
+]
 
 
 def float64_loss(logits: torch.Tensor, labels: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -28,12 +35,13 @@ def float64_loss(logits: torch.Tensor, labels: torch.Tensor, softcap: float) -> 
     return torch.nn.functional.cross_entropy(softcap * torch.tanh(x / softcap), labels)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("softcap", [30.0, 5.0, 1.0])  # Gemma 2's final cap, then small caps
 @pytest.mark.parametrize("scale", [1e-5, 1e-2, 0.4, 3.0, 100.0])  # |x / c| from ~1e-6 to saturated
-def test_softcap_matches_tanh(softcap: float, scale: float) -> None:
+def test_softcap_matches_tanh(device: str, softcap: float, scale: float) -> None:
     generator = torch.Generator().manual_seed(int(1000 * softcap + math.log10(scale) * 7))
-    logits = (torch.randn(6, 300, generator=generator) * scale * softcap).to(DEVICE)
-    labels = torch.randint(0, 300, (6,), generator=generator).to(DEVICE)
+    logits = (torch.randn(6, 300, generator=generator) * scale * softcap).to(device)
+    labels = torch.randint(0, 300, (6,), generator=generator).to(device)
     logits.requires_grad_(True)
     loss = packed_ce.cross_entropy(logits, labels, softcap=softcap, backend="triton")
     loss.backward()

@@ -86,12 +86,14 @@ def _cross_entropy_kernel(
     loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
     z_ptr,  # (N,) fp32 out: coef * z_loss_scale * lse^2, if COMPUTE_LOSS
     lse_ptr,  # (N,) fp32: written if COMPUTE_LOSS, else read
+    stats_ptr,  # (N, 2) fp32 out if COMPUTE_STATS: entropy of softmax(x), 1.0 if y is an argmax
     # shapes
     V,
     # strides
     stride_logits_n,
     stride_grad_n,
     stride_grad_out_n,  # 0 broadcasts one upstream gradient to every row
+    stride_stats_n,
     # hyperparameters: runtime floats, so a new value does not recompile
     label_smoothing,
     z_loss_scale,
@@ -100,6 +102,7 @@ def _cross_entropy_kernel(
     COMPUTE_LOSS: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     HAS_GRAD_OUT: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr,  # with COMPUTE_LOSS only
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -128,6 +131,7 @@ def _cross_entropy_kernel(
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             x_sum = tl.zeros((), tl.float32)
+            px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
             for start in range(0, V, BLOCK_V):
                 mask = start + cols < V
                 x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -135,7 +139,12 @@ def _cross_entropy_kernel(
                     x = _apply_softcap(x, softcap)
                 x = tl.where(mask, x, float("-inf"))
                 m_new = tl.maximum(m, tl.max(x, 0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                e = tl.exp(x - m_new)
+                rescale = tl.exp(m - m_new)
+                s = s * rescale + tl.sum(e, 0)
+                if COMPUTE_STATS:
+                    # e == 0 where x == -inf (masked columns, masked vocabulary): 0, not 0 * inf
+                    px_sum = px_sum * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), 0)
                 m = m_new
                 if HAS_SMOOTHING:
                     x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
@@ -150,6 +159,11 @@ def _cross_entropy_kernel(
             tl.store(loss_ptr + row, coef * loss)
             tl.store(z_ptr + row, coef * z_term)
             tl.store(lse_ptr + row, lse)
+            if COMPUTE_STATS:
+                # H = -sum_j p_j log p_j = lse - sum_j p_j x_j; the target is a top-1 class when
+                # no logit exceeds its own (ties count as correct, as for any argmax).
+                tl.store(stats_ptr + row * stride_stats_n, lse - px_sum / s)
+                tl.store(stats_ptr + row * stride_stats_n + 1, (x_target >= m).to(tl.float32))
         else:
             lse = tl.load(lse_ptr + row)
 
@@ -186,6 +200,9 @@ def _cross_entropy_kernel(
             tl.store(loss_ptr + row, 0.0)
             tl.store(z_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)
+            if COMPUTE_STATS:
+                tl.store(stats_ptr + row * stride_stats_n, 0.0)
+                tl.store(stats_ptr + row * stride_stats_n + 1, 0.0)
         if COMPUTE_GRAD:
             zeros = tl.zeros((BLOCK_V,), tl.float32).to(grad_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
@@ -243,6 +260,7 @@ def launch_forward(
     label_smoothing: float,
     z_loss_scale: float,
     softcap: float,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
 
@@ -250,6 +268,9 @@ def launch_forward(
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
         grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
+        stats: ``(N, 2)`` fp32 buffer with unit column stride, or None: receives each row's
+            softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
+            ``coef`` is 0), from the same read of the logits as the loss.
 
     Returns:
         ``(loss, z, lse)``, each ``(N,)`` fp32.
@@ -271,16 +292,19 @@ def launch_forward(
         loss_ptr=loss,
         z_ptr=z_rows,
         lse_ptr=lse,
+        stats_ptr=stats if stats is not None else lse,
         V=vocab,
         stride_logits_n=logits.stride(0),
         stride_grad_n=grad.stride(0) if grad is not None else 0,
         stride_grad_out_n=0,
+        stride_stats_n=stats.stride(0) if stats is not None else 0,
         label_smoothing=float(label_smoothing),
         z_loss_scale=float(z_loss_scale),
         softcap=float(softcap),
         COMPUTE_LOSS=True,
         COMPUTE_GRAD=grad is not None,
         HAS_GRAD_OUT=False,
+        COMPUTE_STATS=stats is not None,
         BLOCK_V=block,
         num_warps=num_warps,
     )
@@ -319,16 +343,19 @@ def launch_backward(
         loss_ptr=lse,  # unused: COMPUTE_LOSS=False
         z_ptr=lse,
         lse_ptr=lse,
+        stats_ptr=lse,  # unused: COMPUTE_STATS=False
         V=vocab,
         stride_logits_n=logits.stride(0),
         stride_grad_n=grad.stride(0),
         stride_grad_out_n=grad_rows.stride(0),
+        stride_stats_n=0,
         label_smoothing=float(label_smoothing),
         z_loss_scale=float(z_loss_scale),
         softcap=float(softcap),
         COMPUTE_LOSS=False,
         COMPUTE_GRAD=True,
         HAS_GRAD_OUT=True,
+        COMPUTE_STATS=False,
         BLOCK_V=block,
         num_warps=num_warps,
     )
@@ -370,6 +397,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         softcap: float,
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
+        stats: torch.Tensor | None,  # (N, 2) fp32 out-buffer of launch_forward, or None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
@@ -382,7 +410,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper)
+        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
         if reduce:
             loss, z_rows = loss.sum(), z_rows.sum()
         ctx.mark_non_differentiable(z_rows)
@@ -412,8 +440,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
             launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
-        # One gradient per forward input: logits, then targets, coef and the five options.
-        return grad, None, None, None, None, None, None, None
+        # One gradient per forward input: logits, then targets, coef, the five options, stats.
+        return grad, None, None, None, None, None, None, None, None
 
 
 # torch.compile path: two functional custom ops with registered autograd and fake kernels, so
@@ -428,8 +456,11 @@ def cross_entropy_forward_op(
     label_smoothing: float,
     z_loss_scale: float,
     softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_forward(
+    compute_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
+    stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
+    loss, z_rows, lse = launch_forward(
         logits,
         targets,
         coef,
@@ -437,13 +468,16 @@ def cross_entropy_forward_op(
         label_smoothing=label_smoothing,
         z_loss_scale=z_loss_scale,
         softcap=softcap,
+        stats=stats if compute_stats else None,
     )
+    return loss, z_rows, lse, stats
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap):
+def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap, compute_stats):
     rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    return rows, torch.empty_like(rows), torch.empty_like(rows)
+    stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
+    return rows, torch.empty_like(rows), torch.empty_like(rows), stats
 
 
 @torch.library.custom_op("packed_ce::cross_entropy_backward", mutates_args=())
@@ -476,16 +510,17 @@ def _(logits, targets, coef, lse, grad_rows, label_smoothing, z_loss_scale, soft
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, coef, label_smoothing, z_loss_scale, softcap = inputs
+    logits, targets, coef, label_smoothing, z_loss_scale, softcap, _ = inputs
     ctx.save_for_backward(logits, targets, coef, output[2])
     ctx.hyper = (label_smoothing, z_loss_scale, softcap)
+    ctx.mark_non_differentiable(output[3])
 
 
-def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse):
+def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse, grad_stats):
     logits, targets, coef, lse = ctx.saved_tensors
     grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
-    # One gradient per forward input: logits, then targets, coef and the three options.
-    return grad, None, None, None, None, None
+    # One gradient per forward input: logits, then targets, coef, the three options, stats.
+    return grad, None, None, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -501,20 +536,33 @@ def triton_cross_entropy(
     softcap: float,
     reduce: bool,
     inplace_backward: bool,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, z)``: 0-d fp32 sums if ``reduce``, else ``(N,)`` fp32 rows (z detached).
 
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
+        stats: ``(N, 2)`` fp32 buffer filled with each row's entropy and top-1 hit (see
+            :func:`launch_forward`), or None.
     """
     if torch.compiler.is_compiling():
-        loss, z_rows, _ = cross_entropy_forward_op(
-            logits, targets, coef, label_smoothing, z_loss_scale, softcap
+        loss, z_rows, _, row_stats = cross_entropy_forward_op(
+            logits, targets, coef, label_smoothing, z_loss_scale, softcap, stats is not None
         )
+        if stats is not None:
+            stats.copy_(row_stats)
         if reduce:
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits, targets, coef, label_smoothing, z_loss_scale, softcap, reduce, inplace_backward
+        logits,
+        targets,
+        coef,
+        label_smoothing,
+        z_loss_scale,
+        softcap,
+        reduce,
+        inplace_backward,
+        stats,
     )
