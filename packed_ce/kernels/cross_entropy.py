@@ -7,7 +7,7 @@ the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel 
     dL/dx_j = g_t * coef[t] * (p_j (1 + 2 z lse) - eps / V - (1-eps) [j == y])
 
 with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under ``softcap``
-(``x = c tanh(raw / c)``), the chain factor ``dx/draw = 1 - (x / c)^2``.
+(``x = c tanh(raw / c)``), the chain factor ``dx/draw = 1 - tanh(raw / c)^2``.
 
 Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
@@ -32,10 +32,40 @@ import triton.language as tl
 from ..runtime import interpreting
 
 @triton.jit
-def _apply_softcap(x, softcap):
-    # c * tanh(x / c) through exp, since tl has no tanh: tanh(u) = 1 - 2 / (exp(2u) + 1).
-    # exp overflows to inf for large u and the formula goes to +-1, as tanh does.
-    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+def _softcap_and_slope(raw, softcap):
+    # x = c tanh(u) with u = raw / c, and its slope dx/draw = 1 - tanh(u)^2, both to fp32
+    # rounding. tl has no tanh, and the textbook forms cancel: 1 - 2 / (exp(2u) + 1) for small
+    # |u| (an absolute error of ~c * 2**-24 whatever the size of x: up to 4.6e-6 at c = 30,
+    # gradients 4.8e-6 off torch.tanh), and 1 - (x / c)^2 near saturation (the slope of a
+    # capped logit lost every digit once x / c rounded to 1). So, with a = |u|:
+    # - a < 0.4: the odd Taylor series of tanh to a**13 (the next term is below 2**-24 relative
+    #   there), and 1 - t^2 >= 0.86, which does not cancel;
+    # - a >= 0.4: e = exp(-2a) in (0, 0.45], tanh = (1 - e) / (1 + e) and
+    #   1 - tanh^2 = 4 e / (1 + e)^2, neither of which cancels; e never overflows, and underflows
+    #   to 0 (tanh = 1, slope 0) where the true slope is below fp32's range anyway.
+    # NaN stays NaN; +-inf logits cap to +-c with slope 0.
+    u = raw / softcap
+    a = tl.abs(u)
+    s = tl.minimum(a, 0.4)  # the series' argument, kept in its range so it never overflows
+    a2 = s * s
+    series = 21844.0 / 6081075.0
+    series = series * a2 - 1382.0 / 155925.0
+    series = series * a2 + 62.0 / 2835.0
+    series = series * a2 - 17.0 / 315.0
+    series = series * a2 + 2.0 / 15.0
+    series = series * a2 - 1.0 / 3.0
+    series = s + s * (a2 * series)
+    e = tl.exp(-2.0 * a)
+    small = a < 0.4
+    t = tl.where(small, series, (1.0 - e) / (1.0 + e))
+    slope = tl.where(small, 1.0 - series * series, 4.0 * e / ((1.0 + e) * (1.0 + e)))
+    return softcap * tl.where(u < 0.0, -t, t), slope
+
+
+@triton.jit
+def _apply_softcap(raw, softcap):
+    x, _ = _softcap_and_slope(raw, softcap)
+    return x
 
 
 @triton.heuristics(
@@ -56,12 +86,14 @@ def _cross_entropy_kernel(
     loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
     z_ptr,  # (N,) fp32 out: coef * z_loss_scale * lse^2, if COMPUTE_LOSS
     lse_ptr,  # (N,) fp32: written if COMPUTE_LOSS, else read
+    stats_ptr,  # (N, 2) fp32 out if COMPUTE_STATS: entropy of softmax(x), 1.0 if y is an argmax
     # shapes
     V,
     # strides
     stride_logits_n,
     stride_grad_n,
     stride_grad_out_n,  # 0 broadcasts one upstream gradient to every row
+    stride_stats_n,
     # hyperparameters: runtime floats, so a new value does not recompile
     label_smoothing,
     z_loss_scale,
@@ -70,6 +102,7 @@ def _cross_entropy_kernel(
     COMPUTE_LOSS: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
     HAS_GRAD_OUT: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr,  # with COMPUTE_LOSS only
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -98,6 +131,7 @@ def _cross_entropy_kernel(
             m = tl.full((), float("-inf"), tl.float32)
             s = tl.zeros((), tl.float32)
             x_sum = tl.zeros((), tl.float32)
+            px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
             for start in range(0, V, BLOCK_V):
                 mask = start + cols < V
                 x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -105,7 +139,12 @@ def _cross_entropy_kernel(
                     x = _apply_softcap(x, softcap)
                 x = tl.where(mask, x, float("-inf"))
                 m_new = tl.maximum(m, tl.max(x, 0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                e = tl.exp(x - m_new)
+                rescale = tl.exp(m - m_new)
+                s = s * rescale + tl.sum(e, 0)
+                if COMPUTE_STATS:
+                    # e == 0 where x == -inf (masked columns, masked vocabulary): 0, not 0 * inf
+                    px_sum = px_sum * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), 0)
                 m = m_new
                 if HAS_SMOOTHING:
                     x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
@@ -120,6 +159,11 @@ def _cross_entropy_kernel(
             tl.store(loss_ptr + row, coef * loss)
             tl.store(z_ptr + row, coef * z_term)
             tl.store(lse_ptr + row, lse)
+            if COMPUTE_STATS:
+                # H = -sum_j p_j log p_j = lse - sum_j p_j x_j; the target is a top-1 class when
+                # no logit exceeds its own (ties count as correct, as for any argmax).
+                tl.store(stats_ptr + row * stride_stats_n, lse - px_sum / s)
+                tl.store(stats_ptr + row * stride_stats_n + 1, (x_target >= m).to(tl.float32))
         else:
             lse = tl.load(lse_ptr + row)
 
@@ -137,14 +181,14 @@ def _cross_entropy_kernel(
                 mask = start + cols < V
                 x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x = _apply_softcap(x, softcap)
+                    x, slope = _softcap_and_slope(x, softcap)
                 d = tl.exp(x - lse) * p_scale
                 if HAS_SMOOTHING:
                     d -= label_smoothing / V
                 # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
                 d = tl.where(start + cols == target, d - (1.0 - label_smoothing), d)
                 if HAS_SOFTCAP:
-                    d *= 1.0 - (x / softcap) * (x / softcap)
+                    d *= slope
                 tl.store(
                     grad_row + start + cols,
                     (g * d).to(grad_ptr.dtype.element_ty),
@@ -156,6 +200,9 @@ def _cross_entropy_kernel(
             tl.store(loss_ptr + row, 0.0)
             tl.store(z_ptr + row, 0.0)
             tl.store(lse_ptr + row, 0.0)
+            if COMPUTE_STATS:
+                tl.store(stats_ptr + row * stride_stats_n, 0.0)
+                tl.store(stats_ptr + row * stride_stats_n + 1, 0.0)
         if COMPUTE_GRAD:
             zeros = tl.zeros((BLOCK_V,), tl.float32).to(grad_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
@@ -213,6 +260,7 @@ def launch_forward(
     label_smoothing: float,
     z_loss_scale: float,
     softcap: float,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
 
@@ -220,6 +268,9 @@ def launch_forward(
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
         grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
+        stats: ``(N, 2)`` fp32 buffer with unit column stride, or None: receives each row's
+            softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
+            ``coef`` is 0), from the same read of the logits as the loss.
 
     Returns:
         ``(loss, z, lse)``, each ``(N,)`` fp32.
@@ -241,16 +292,19 @@ def launch_forward(
         loss_ptr=loss,
         z_ptr=z_rows,
         lse_ptr=lse,
+        stats_ptr=stats if stats is not None else lse,
         V=vocab,
         stride_logits_n=logits.stride(0),
         stride_grad_n=grad.stride(0) if grad is not None else 0,
         stride_grad_out_n=0,
+        stride_stats_n=stats.stride(0) if stats is not None else 0,
         label_smoothing=float(label_smoothing),
         z_loss_scale=float(z_loss_scale),
         softcap=float(softcap),
         COMPUTE_LOSS=True,
         COMPUTE_GRAD=grad is not None,
         HAS_GRAD_OUT=False,
+        COMPUTE_STATS=stats is not None,
         BLOCK_V=block,
         num_warps=num_warps,
     )
@@ -289,16 +343,19 @@ def launch_backward(
         loss_ptr=lse,  # unused: COMPUTE_LOSS=False
         z_ptr=lse,
         lse_ptr=lse,
+        stats_ptr=lse,  # unused: COMPUTE_STATS=False
         V=vocab,
         stride_logits_n=logits.stride(0),
         stride_grad_n=grad.stride(0),
         stride_grad_out_n=grad_rows.stride(0),
+        stride_stats_n=0,
         label_smoothing=float(label_smoothing),
         z_loss_scale=float(z_loss_scale),
         softcap=float(softcap),
         COMPUTE_LOSS=False,
         COMPUTE_GRAD=True,
         HAS_GRAD_OUT=True,
+        COMPUTE_STATS=False,
         BLOCK_V=block,
         num_warps=num_warps,
     )
@@ -340,6 +397,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         softcap: float,
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
+        stats: torch.Tensor | None,  # (N, 2) fp32 out-buffer of launch_forward, or None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
@@ -352,7 +410,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper)
+        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
         if reduce:
             loss, z_rows = loss.sum(), z_rows.sum()
         ctx.mark_non_differentiable(z_rows)
@@ -382,8 +440,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
             launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
-        # One gradient per forward input: logits, then targets, coef and the five options.
-        return grad, None, None, None, None, None, None, None
+        # One gradient per forward input: logits, then targets, coef, the five options, stats.
+        return grad, None, None, None, None, None, None, None, None
 
 
 # torch.compile path: two functional custom ops with registered autograd and fake kernels, so
@@ -398,8 +456,11 @@ def cross_entropy_forward_op(
     label_smoothing: float,
     z_loss_scale: float,
     softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return launch_forward(
+    compute_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
+    stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
+    loss, z_rows, lse = launch_forward(
         logits,
         targets,
         coef,
@@ -407,13 +468,16 @@ def cross_entropy_forward_op(
         label_smoothing=label_smoothing,
         z_loss_scale=z_loss_scale,
         softcap=softcap,
+        stats=stats if compute_stats else None,
     )
+    return loss, z_rows, lse, stats
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap):
+def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap, compute_stats):
     rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
-    return rows, torch.empty_like(rows), torch.empty_like(rows)
+    stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
+    return rows, torch.empty_like(rows), torch.empty_like(rows), stats
 
 
 @torch.library.custom_op("packed_ce::cross_entropy_backward", mutates_args=())
@@ -446,16 +510,17 @@ def _(logits, targets, coef, lse, grad_rows, label_smoothing, z_loss_scale, soft
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, coef, label_smoothing, z_loss_scale, softcap = inputs
+    logits, targets, coef, label_smoothing, z_loss_scale, softcap, _ = inputs
     ctx.save_for_backward(logits, targets, coef, output[2])
     ctx.hyper = (label_smoothing, z_loss_scale, softcap)
+    ctx.mark_non_differentiable(output[3])
 
 
-def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse):
+def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse, grad_stats):
     logits, targets, coef, lse = ctx.saved_tensors
     grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
-    # One gradient per forward input: logits, then targets, coef and the three options.
-    return grad, None, None, None, None, None
+    # One gradient per forward input: logits, then targets, coef, the three options, stats.
+    return grad, None, None, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -471,20 +536,33 @@ def triton_cross_entropy(
     softcap: float,
     reduce: bool,
     inplace_backward: bool,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, z)``: 0-d fp32 sums if ``reduce``, else ``(N,)`` fp32 rows (z detached).
 
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
+        stats: ``(N, 2)`` fp32 buffer filled with each row's entropy and top-1 hit (see
+            :func:`launch_forward`), or None.
     """
     if torch.compiler.is_compiling():
-        loss, z_rows, _ = cross_entropy_forward_op(
-            logits, targets, coef, label_smoothing, z_loss_scale, softcap
+        loss, z_rows, _, row_stats = cross_entropy_forward_op(
+            logits, targets, coef, label_smoothing, z_loss_scale, softcap, stats is not None
         )
+        if stats is not None:
+            stats.copy_(row_stats)
         if reduce:
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits, targets, coef, label_smoothing, z_loss_scale, softcap, reduce, inplace_backward
+        logits,
+        targets,
+        coef,
+        label_smoothing,
+        z_loss_scale,
+        softcap,
+        reduce,
+        inplace_backward,
+        stats,
     )
