@@ -156,7 +156,7 @@ def test_pack_dataset_error_and_validation():
     with pytest.raises(ValueError, match=r"1 conversations are longer than `max_length`=5 \(the first, at index 1"):
         pack_dataset(dataset, 5, overflow="error")
     with pytest.raises(ValueError, match="`overflow`"):
-        pack_dataset(dataset, 5, overflow="split")
+        pack_dataset(dataset, 5, overflow="wrap")
     with pytest.raises(ValueError, match=r"`dataset` lacks the column\(s\) \['labels'\]"):
         pack_dataset(dataset.remove_columns("labels"), 5)
 
