@@ -68,7 +68,9 @@ def test_packed_pad_to_multiple_of():
 
 def test_packed_options_and_inputs():
     plain = PackedCollator(return_varlen_kwargs=False)(EXAMPLES)
-    assert set(plain) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "num_sequences"}
+    assert set(plain) == {
+        "input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "num_sequences", "seq_targets"
+    }
     # Missing labels train every token; tensors and arrays are accepted like lists.
     no_labels = PackedCollator()([{"input_ids": torch.tensor([1, 2])}, {"input_ids": [3, 4, 5]}])
     assert no_labels["labels"].tolist() == [[IGNORE, 2, IGNORE, 4, 5]]
