@@ -5,7 +5,7 @@ have a target in `num_sequences`, and give each sequence its conversation's targ
 `seq_targets` (and its weight in `seq_weights` when the data carry one), so one call
 
     packed_ce.cross_entropy(logits, batch["labels"], cu_seqlens=batch["cu_seqlens"],
-                            is_packed=True, shift=True)
+                            seq_targets=batch["seq_targets"], is_packed=True, shift=True)
 
 averages per conversation the same way for either batch.
 """
