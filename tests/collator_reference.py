@@ -39,13 +39,16 @@ def conversation_mean_loss(table: torch.Tensor, input_ids, labels) -> torch.Tens
     return F.cross_entropy(table[input_ids[:-1]], targets, ignore_index=IGNORE)
 
 
-def packed_weighted_sum(table: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_weighted_sum(table: torch.Tensor, batch, logits: torch.Tensor | None = None):
     """`(sum_t w_t l_t, sum_t w_t)` of a packed batch, looping over its sequences.
+
+    `logits` `(T, V)`, optional: the batch's logits (default: `table[input_ids]`), e.g. a leaf for their gradient.
 
     Sequence `s` predicts `labels[t + 1]` from token `t` inside `[cu_seqlens[s], cu_seqlens[s + 1])`, and each
     of its targets weighs `seq_weights[s] / seq_targets[s]` (weight 1 without `seq_weights`).
     """
     input_ids, labels = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1)
+    logits = table[input_ids] if logits is None else logits
     bounds = batch["cu_seqlens"].tolist()
     weights = batch.get("seq_weights")
     total, mass = table.new_zeros(()), table.new_zeros(())
@@ -55,7 +58,7 @@ def packed_weighted_sum(table: torch.Tensor, batch) -> tuple[torch.Tensor, torch
         if not trained.any():
             continue
         weight = (1.0 if weights is None else float(weights[s])) / int(batch["seq_targets"][s])
-        losses = F.cross_entropy(table[input_ids[start : end - 1]], targets, ignore_index=IGNORE, reduction="none")
+        losses = F.cross_entropy(logits[start : end - 1], targets, ignore_index=IGNORE, reduction="none")
         total = total + weight * losses.sum()
         mass = mass + weight * trained.sum().to(table.dtype)  # an int tensor times a float would be float32
     return total, mass
