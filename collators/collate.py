@@ -279,8 +279,8 @@ class PaddedCollator:
     def __init__(
         self, pad_token_id: int = 0, *, pad_to_multiple_of: int | None = None, ignore_index: int = IGNORE_INDEX
     ):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"`pad_to_multiple_of` must be a positive int, got {pad_to_multiple_of}.")
+        if pad_to_multiple_of is not None:
+            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.ignore_index = ignore_index

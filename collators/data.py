@@ -9,6 +9,7 @@ import tempfile
 from importlib import metadata, resources
 from pathlib import Path
 
+from .checks import positive_int
 from .templates import CHATML_TEMPLATE
 
 DEFAULT_VOCAB_SIZE = 3072
@@ -84,6 +85,8 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    # The byte-level alphabet (256) and the special tokens are the smallest vocabulary.
+    positive_int(vocab_size, "vocab_size", minimum=256 + len(_SPECIAL_TOKENS))
     corpus_version = metadata.version("chatterbot-corpus")
     key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")

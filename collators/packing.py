@@ -460,10 +460,15 @@ def pack_stream(
     >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
     [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
     """
+    # Checked here, at the call, not at the first row a generator would reach.
     max_tokens = _check_packing_options(max_tokens, overflow, "max_tokens")
     buffer_size = positive_int(buffer_size, "buffer_size")
     if stats is None:
         stats = PackingStats(max_length=max_tokens)
+    return _pack_stream(examples, max_tokens, overflow, buffer_size, ignore_index, stats)
+
+
+def _pack_stream(examples, max_tokens: int, overflow: Overflow, buffer_size: int, ignore_index: int, stats):
     buffer: list[tuple[np.ndarray, np.ndarray, float | None]] = []
     has_weight = None
     for index, example in enumerate(examples):

@@ -129,6 +129,10 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     for name, values in per_sequence.items():
         if not torch.is_tensor(values) or values.shape != (num_sequences,):
             raise ValueError(f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}.")
+    if (per_sequence["seq_targets"] < 1).any():
+        raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
+    if "seq_weights" in per_sequence and not (per_sequence["seq_weights"].isfinite() & (per_sequence["seq_weights"] >= 0)).all():
+        raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
 
     # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
     shift_labels = torch.full_like(labels[0], ignore_index)
