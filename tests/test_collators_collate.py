@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 datasets = pytest.importorskip("datasets")  # not on every GPU image
+from collator_reference import IGNORE  # also derandomises hypothesis when CI is set
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from collators import PackedCollator, PaddedCollator, pack_dataset
 
-IGNORE = -100
 
 # Three conversations: the third has no target, so it counts as a sequence in cu_seqlens but not in
 # num_sequences; the second has its only prompt token first.
