@@ -80,7 +80,8 @@ def weight_array(values, name: str) -> np.ndarray:
     array = array.astype(np.float64)
     bad = ~np.isfinite(array) | (array < 0)
     if bad.any():
-        raise ValueError(f"`{name}` must be finite and >= 0, got {array[bad][0]} at index {int(np.flatnonzero(bad)[0])}.")
+        index = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"`{name}` must be finite and >= 0, got {array[index]} at index {index}.")
     return array
 
 

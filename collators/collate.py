@@ -152,8 +152,10 @@ class PackedCollator:
     ...         {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, 8, 9, -100, 11], "seq_lengths": [3, 2],
     ...          "seq_targets": [4, 1], "seq_weights": [0.5, 2.0]}]
     >>> batch = PackedCollator(pad_to_multiple_of=5)(rows)
-    >>> batch["cu_seqlens"], batch["seq_targets"], batch["seq_weights"]
-    (tensor([ 0,  4,  7,  9, 10], dtype=torch.int32), tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000]))
+    >>> batch["cu_seqlens"]
+    tensor([ 0,  4,  7,  9, 10], dtype=torch.int32)
+    >>> batch["seq_targets"], batch["seq_weights"]
+    (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000]))
     """
 
     def __init__(

@@ -298,8 +298,10 @@ def pack_dataset(
     targets (6, 7, 8, 9), carried by both pieces:
 
     >>> split = pack_dataset(dataset.select([1, 2]), max_length=4, overflow="split")
-    >>> split[:]
-    {'input_ids': [[4, 5, 6, 7], [7, 8, 9], [10, 11]], 'labels': [[-100, -100, 6, 7], [-100, 8, 9], [-100, 11]], 'seq_lengths': [[4], [3], [2]], 'seq_targets': [[4], [4], [1]]}
+    >>> split["input_ids"][:], split["labels"][:]
+    ([[4, 5, 6, 7], [7, 8, 9], [10, 11]], [[-100, -100, 6, 7], [-100, 8, 9], [-100, 11]])
+    >>> split["seq_lengths"][:], split["seq_targets"][:]
+    ([[4], [3], [2]], [[4], [4], [1]])
     """
     import datasets
     import pyarrow as pa
@@ -327,7 +329,10 @@ def pack_dataset(
 
     piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
     token_bounds = np.concatenate(([0], np.cumsum(plan.length)))[piece_bounds]
-    columns = {"input_ids": _list_array(token_bounds, pa.array(row_ids)), "labels": _list_array(token_bounds, pa.array(row_labels))}
+    columns = {
+        "input_ids": _list_array(token_bounds, pa.array(row_ids)),
+        "labels": _list_array(token_bounds, pa.array(row_labels)),
+    }
     for name, values in _row_metadata(plan, targets, weights, overflow == "split").items():
         columns[name] = _list_array(piece_bounds, pa.array(values))
     stats.log()
@@ -481,7 +486,8 @@ def _pack_stream(examples, max_tokens: int, overflow: Overflow, buffer_size: int
         if has_weight is None:
             has_weight = WEIGHT_COLUMN in example
         if (WEIGHT_COLUMN in example) != has_weight:
-            raise ValueError(f"`{name}` {'lacks' if has_weight else 'has'} a {WEIGHT_COLUMN!r}, unlike the first example.")
+            state = "lacks" if has_weight else "has"
+            raise ValueError(f"`{name}` {state} a {WEIGHT_COLUMN!r}, unlike the first example.")
         weight = conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]") if has_weight else None
         buffer.append((input_ids, labels, weight))
         if len(buffer) == buffer_size:
@@ -500,7 +506,8 @@ def _pack_buffer(buffer, max_tokens: int, overflow: Overflow, ignore_index: int,
     stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
     weights = None if buffer[0][2] is None else np.array([weight for _, _, weight in buffer])
     plan = _plan_rows(kept, max_tokens, overflow == "split", stats)
-    metadata = {name: values.tolist() for name, values in _row_metadata(plan, targets, weights, overflow == "split").items()}
+    metadata = _row_metadata(plan, targets, weights, overflow == "split")
+    metadata = {name: values.tolist() for name, values in metadata.items()}
     start = 0
     for count in plan.per_row.tolist():
         row = {"input_ids": [], "labels": []}

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from .chat import IGNORE_INDEX
-from .checks import positive_int
+from .checks import positive_int, targets_per_sequence
 
 
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
@@ -116,22 +117,21 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
     seq_targets = batch.get("seq_targets")
     if seq_targets is None:
-        # Each sequence's own targets: labels after its first token.
-        sequence = torch.repeat_interleave(torch.arange(num_sequences, device=input_ids.device), lengths)
-        is_target = labels[0] != ignore_index
-        is_target[cu_seqlens[:-1][lengths > 0]] = False
-        seq_targets = torch.zeros(num_sequences, dtype=torch.int64, device=input_ids.device)
-        seq_targets.index_add_(0, sequence, is_target.long())
-        seq_targets = seq_targets.clamp_min(1)
+        # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
+        own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
+        seq_targets = torch.from_numpy(np.maximum(own, 1))
     per_sequence = {"seq_targets": seq_targets}
     if batch.get("seq_weights") is not None:
         per_sequence["seq_weights"] = batch["seq_weights"]
     for name, values in per_sequence.items():
         if not torch.is_tensor(values) or values.shape != (num_sequences,):
-            raise ValueError(f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}.")
+            raise ValueError(
+                f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
+            )
     if (per_sequence["seq_targets"] < 1).any():
         raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
-    if "seq_weights" in per_sequence and not (per_sequence["seq_weights"].isfinite() & (per_sequence["seq_weights"] >= 0)).all():
+    weights = per_sequence.get("seq_weights")
+    if weights is not None and not (weights.isfinite() & (weights >= 0)).all():
         raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
 
     # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
@@ -146,7 +146,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     segment_starts = []
     for index, start in enumerate(chunk_starts.tolist()):
         inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + size)].unique_consecutive()
-        segment_starts.append(torch.cat((torch.tensor([start], device=input_ids.device), inside)) - start + index * size)
+        starts = torch.cat((torch.tensor([start], device=input_ids.device), inside))
+        segment_starts.append(starts - start + index * size)  # global token -> local index
     local_starts = torch.cat(segment_starts)
     # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
     sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
