@@ -84,16 +84,18 @@ def test_split_trains_every_target_once(seed, max_length, packer):
     # Globally unique tokens, so that the first token of a piece tells its conversation and offset.
     where, next_token = {}, 0
     for c, ids in enumerate(rows["input_ids"]):
-        rows["input_ids"][c] = list(range(next_token, next_token + len(ids)))
-        rows["labels"][c] = [t if label != IGNORE else IGNORE for t, label in zip(rows["input_ids"][c], rows["labels"][c])]
-        where.update({t: (c, i) for i, t in enumerate(rows["input_ids"][c])})
+        unique = list(range(next_token, next_token + len(ids)))
+        rows["input_ids"][c] = unique
+        rows["labels"][c] = [IGNORE if label == IGNORE else t for t, label in zip(unique, rows["labels"][c])]
+        where.update({t: (c, i) for i, t in enumerate(unique)})
         next_token += len(ids)
     stats = PackingStats(max_length=max_length)
     if packer == "dataset":
         packed, stats = pack_dataset(Dataset.from_dict(rows), max_length, overflow="split", return_stats=True)
         packed = list(packed)
     else:
-        packed = list(pack_stream(iter(Dataset.from_dict(rows)), max_length, overflow="split", buffer_size=5, stats=stats))
+        stream = iter(Dataset.from_dict(rows))
+        packed = list(pack_stream(stream, max_length, overflow="split", buffer_size=5, stats=stats))
     assert all(len(row["input_ids"]) <= max_length for row in packed)
     by_conversation = {}
     for seq_targets, tokens, labels in pieces_of(packed):
@@ -132,7 +134,8 @@ def test_split_packed_loss_is_the_mean_over_whole_conversations(weights):
     total = mass = 0.0
     collator = PackedCollator(pad_to_multiple_of=8)
     for start in range(0, packed.num_rows, 3):
-        part_sum, part_mass = packed_weighted_sum(table, collator(packed.select(range(start, min(start + 3, packed.num_rows)))))
+        batch = collator(packed.select(range(start, min(start + 3, packed.num_rows))))
+        part_sum, part_mass = packed_weighted_sum(table, batch)
         total, mass = total + part_sum, mass + part_mass
     loss = total / mass
     (grad,) = torch.autograd.grad(loss, table)
@@ -162,14 +165,15 @@ def test_weights_uniform_change_nothing_and_zero_removes_a_conversation():
     rows["labels"] = [[t for t in ids] for ids in rows["input_ids"]]  # every conversation has targets
     table = lookup_table(30)
 
+    def packed_loss(dataset):
+        total, mass = packed_weighted_sum(table, PackedCollator()(list(pack_dataset(dataset, 8, overflow="split"))))
+        return total / mass
+
     def loss_of(weight_column):
         data = dict(rows) if weight_column is None else dict(rows, weight=weight_column)
-        total, mass = packed_weighted_sum(table, PackedCollator()(list(pack_dataset(Dataset.from_dict(data), 8, overflow="split"))))
-        return total / mass
+        return packed_loss(Dataset.from_dict(data))
 
     plain = loss_of(None)
     torch.testing.assert_close(loss_of([2.5] * 6), plain, rtol=1e-14, atol=0)
-    without_first = dict(rows)
-    without_first = {k: v[1:] for k, v in rows.items()}
-    total, mass = packed_weighted_sum(table, PackedCollator()(list(pack_dataset(Dataset.from_dict(without_first), 8, overflow="split"))))
-    torch.testing.assert_close(loss_of([0.0] + [1.0] * 5), total / mass, rtol=1e-14, atol=0)
+    without_first = Dataset.from_dict({k: v[1:] for k, v in rows.items()})
+    torch.testing.assert_close(loss_of([0.0] + [1.0] * 5), packed_loss(without_first), rtol=1e-14, atol=0)
