@@ -1,5 +1,8 @@
 """shard_batch: each rank's weighted "sum" loss adds up to the whole batch's, value and gradients, for 1, 2 and
-3 ranks, with cuts in the middle of a conversation, at a turn boundary and at a sequence boundary."""
+3 ranks in one process and 2 gloo processes, with cuts in the middle of a conversation, at a turn boundary and
+at a sequence boundary."""
+
+import os
 
 import pytest
 import torch
@@ -99,3 +102,39 @@ def test_without_seq_targets_each_sequence_counts_its_own():
     without = shard_batch({k: v for k, v in batch.items() if k not in ("seq_targets", "position_ids")}, 1, 2)
     for key in ("input_ids", "position_ids", "shift_labels", "cu_seqlens", "seq_targets"):
         assert torch.equal(with_targets[key], without[key]), key
+
+
+def _gloo_rank(rank, port, world_size, out_dir):
+    """One context-parallel rank: its shard's weighted sum and table gradient, all-reduced over the ranks."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on a small CI machine: one thread each
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        table = lookup_table(VOCAB)
+        shard = shard_batch(PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES), rank, world_size)
+        part = local_weighted_sum(table, shard)
+        part.backward()
+        total = part.detach().clone()
+        dist.all_reduce(total)
+        dist.all_reduce(table.grad)
+        torch.save({"loss": total, "grad": table.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_add_up_to_the_whole_batch(tmp_path):
+    """The same with two processes: all-reduced loss and gradients equal one process on the whole batch."""
+    import torch.multiprocessing as mp
+    from integration_utils import free_port
+
+    world_size = 2
+    mp.spawn(_gloo_rank, args=(free_port(), world_size, str(tmp_path)), nprocs=world_size, join=True)
+    table = lookup_table(VOCAB)
+    whole, _ = packed_weighted_sum(table, PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES))
+    whole.backward()
+    for rank in range(world_size):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(result["loss"], whole.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(result["grad"], table.grad, rtol=1e-12, atol=1e-15)
