@@ -2,7 +2,8 @@
 
 From conversations to batches: `tokenize_conversation` / `tokenize_dataset` (assistant-only labels),
 `pack_dataset` / `pack_stream` / `PackedIterableDataset` (best-fit-decreasing packing),
-`PackedCollator` / `PaddedCollator` (batches with `cu_seqlens`), and offline defaults
+`PackedCollator` / `PaddedCollator` (batches with `cu_seqlens`), `shard_batch` (a context-parallel rank's
+share of a packed batch), and offline defaults
 (`load_default_dataset`, `load_default_tokenizer`) plus `load_messages_dataset` for other data.
 """
 
@@ -10,6 +11,7 @@ from .chat import tokenize_conversation, tokenize_dataset
 from .collate import PackedCollator, PaddedCollator
 from .data import load_default_dataset, load_default_tokenizer, load_messages_dataset
 from .packing import PackedIterableDataset, PackingStats, pack_dataset, pack_stream
+from .sharding import shard_batch
 
 __all__ = [
     "PackedCollator",
@@ -21,6 +23,7 @@ __all__ = [
     "load_messages_dataset",
     "pack_dataset",
     "pack_stream",
+    "shard_batch",
     "tokenize_conversation",
     "tokenize_dataset",
 ]

@@ -7,8 +7,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .checks import positive_int
+
 logger = logging.getLogger(__name__)
 
+# The label of untrained tokens (PyTorch's `ignore_index` default).
 IGNORE_INDEX = -100
 
 # `{% generation %}` / `{%- generation -%}`: the template marks the assistant output itself.
@@ -92,6 +95,8 @@ def tokenize_conversation(
     >>> tokenizer.decode([t for t in example["labels"] if t != -100])
     'Hello<|im_end|>'
     """
+    if max_length is not None:
+        positive_int(max_length, "max_length")
     template = _resolve_template(tokenizer, chat_template, tools)
     _check_messages(messages)
     messages = [dict(message) for message in messages]
@@ -158,6 +163,10 @@ def tokenize_dataset(
     >>> tokenized.num_rows, tokenized.column_names
     (1, ['input_ids', 'labels'])
     """
+    if max_length is not None:
+        positive_int(max_length, "max_length")
+    if not hasattr(dataset, "column_names") or not hasattr(dataset, "map"):
+        raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
         raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
 

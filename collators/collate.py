@@ -1,10 +1,11 @@
 """Batches for training: packed (one row, exact boundaries) and padded (the unpacked baseline).
 
-Both describe their sequences with `cu_seqlens` over the flattened tokens and count the sequences
-that have a target in `num_sequences`, so one call
+Both describe their sequences with `cu_seqlens` over the flattened tokens, count the sequences that
+have a target in `num_sequences`, and give each sequence its conversation's target count in
+`seq_targets` (and its weight in `seq_weights` when the data carry one), so one call
 
     packed_ce.cross_entropy(logits, batch["labels"], cu_seqlens=batch["cu_seqlens"],
-                            is_packed=True, shift=True)
+                            seq_targets=batch["seq_targets"], is_packed=True, shift=True)
 
 averages per conversation the same way for either batch.
 """
@@ -17,17 +18,67 @@ import numpy as np
 import torch
 
 from .chat import IGNORE_INDEX
+from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
+from .packing import WEIGHT_COLUMN
 
 
-def _flatten(parts: list) -> np.ndarray:
-    """Concatenate token sequences to one int64 array."""
-    if all(isinstance(part, list) for part in parts):
-        # Extending Python lists and converting once is several times faster than torch.tensor(list).
-        flat: list[int] = []
-        for part in parts:
-            flat.extend(part)
-        return np.fromiter(flat, dtype=np.int64, count=len(flat))
-    return np.concatenate([np.asarray(part, dtype=np.int64).reshape(-1) for part in parts])
+def _example(example, index: int, ignore_index: int):
+    """`(input_ids, labels, seq_lengths, seq_targets, seq_weights)` of one example, checked.
+
+    `seq_targets` and `seq_weights` are None when the example carries none; a single conversation's
+    `weight` becomes its one-element `seq_weights`.
+    """
+    name = f"examples[{index}]"
+    if not isinstance(example, Mapping) or "input_ids" not in example:
+        raise TypeError(f"`{name}` must be a dict with 'input_ids', got {type(example).__name__}.")
+    input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
+    labels = input_ids if example.get("labels") is None else token_array(example["labels"], f"{name}['labels']")
+    check_tokens(input_ids, labels, ignore_index, name)
+    lengths = example.get("seq_lengths")
+    lengths = np.array([len(input_ids)]) if lengths is None else token_array(lengths, f"{name}['seq_lengths']")
+    if len(labels) != len(input_ids) or lengths.sum() != len(input_ids) or (lengths < 0).any():
+        raise ValueError(
+            f"`{name}` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths {lengths.tolist()}: "
+            "the lengths must be >= 0 and the three must agree."
+        )
+    targets = example.get("seq_targets")
+    if targets is not None:
+        targets = token_array(targets, f"{name}['seq_targets']")
+        if len(targets) != len(lengths) or (targets < 0).any():
+            raise ValueError(f"`{name}['seq_targets']` must hold one count >= 0 per sequence of `seq_lengths`.")
+    weights = example.get("seq_weights")
+    if weights is not None:
+        weights = weight_array(weights, f"{name}['seq_weights']")
+        if len(weights) != len(lengths):
+            raise ValueError(f"`{name}['seq_weights']` must hold one weight per sequence of `seq_lengths`.")
+    elif example.get(WEIGHT_COLUMN) is not None:
+        if len(lengths) != 1:
+            raise ValueError(f"`{name}` is a packed row: give its weights per sequence in 'seq_weights'.")
+        weights = np.array([conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]")])
+    return input_ids, labels, lengths, targets, weights
+
+
+def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
+    """`seq_targets` of a batch: given counts (whole conversations) where present, else each sequence's own.
+
+    `given` is one entry per example: an array aligned with its sequences, or None. A sequence without
+    targets gets 1 (nothing to weigh, and `weight / seq_targets` stays finite); a given count below the
+    sequence's own is refused, as it would weigh a target above its conversation's share.
+    """
+    own = targets_per_sequence(labels, lengths, ignore_index)
+    counts = own.copy()
+    start = 0
+    for index, (sizes, targets) in enumerate(given):
+        stop = start + sizes
+        if targets is not None:
+            if (targets < own[start:stop]).any():
+                raise ValueError(
+                    f"`examples[{index}]['seq_targets']` is {targets.tolist()}, below the sequences' own target "
+                    f"counts {own[start:stop].tolist()}: it must count the targets of each whole conversation."
+                )
+            counts[start:stop] = targets
+        start = stop
+    return np.maximum(counts, 1)
 
 
 class PackedCollator:
@@ -46,6 +97,14 @@ class PackedCollator:
     - `max_seqlen` (`int`): the longest sequence.
     - `num_sequences` (`int`): the sequences with at least one target, i.e. a label other than
       `ignore_index` after the first position: the denominator of a per-sequence mean.
+    - `seq_targets` `(S,)` int32, aligned with `cu_seqlens`: for each sequence, the number of targets of the
+      whole conversation it belongs to (under the shift: labels other than `ignore_index` after its first
+      token). A sequence's own count unless the example gives `seq_targets` (the pieces of a conversation
+      split by `pack_dataset(..., overflow="split")`). A sequence without targets, and the padding segment,
+      get 1: they hold no target to weigh, and a loss weighing each target `seq_weight / seq_targets` never
+      divides by 0.
+    - `seq_weights` `(S,)` float32, only when the examples carry weights (`seq_weights` per sequence or
+      `weight` per conversation): each sequence's conversation weight; 0 for the padding segment.
     - with `return_varlen_kwargs=True`, transformers' flash-attention keywords: `cu_seq_lens_q`,
       `cu_seq_lens_k` (the `cu_seqlens` tensor) and `max_length_q`, `max_length_k` (`max_seqlen`).
 
@@ -55,7 +114,8 @@ class PackedCollator:
     `model(**batch, use_cache=False)`; the extra keys travel through `**kwargs` untouched.
 
     With `pad_to_multiple_of`, `T` is rounded up by a padding segment of `pad_token_id` tokens: its own
-    sequence in `cu_seqlens`, positions `0, 1, ...`, all labels `ignore_index`, not counted in `num_sequences`.
+    sequence in `cu_seqlens`, positions `0, 1, ...`, all labels `ignore_index`, not counted in `num_sequences`,
+    `seq_targets` 1 and `seq_weights` 0.
 
     Args:
         pad_to_multiple_of (`int`, *optional*): round `T` up to a multiple of this (fixed shapes help compiled
@@ -81,6 +141,21 @@ class PackedCollator:
     tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]])
     >>> batch["cu_seqlens"], batch["max_seqlen"], batch["num_sequences"]
     (tensor([0, 3, 7, 9], dtype=torch.int32), 4, 2)
+    >>> batch["seq_targets"]
+    tensor([2, 2, 1], dtype=torch.int32)
+
+    The two pieces of a conversation split by `pack_dataset`, each carrying the conversation's 4 targets, and
+    a weighted conversation:
+
+    >>> rows = [{"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4], "seq_targets": [4],
+    ...          "seq_weights": [0.5]},
+    ...         {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, 8, 9, -100, 11], "seq_lengths": [3, 2],
+    ...          "seq_targets": [4, 1], "seq_weights": [0.5, 2.0]}]
+    >>> batch = PackedCollator(pad_to_multiple_of=5)(rows)
+    >>> batch["cu_seqlens"]
+    tensor([ 0,  4,  7,  9, 10], dtype=torch.int32)
+    >>> batch["seq_targets"], batch["seq_weights"]
+    (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000]))
     """
 
     def __init__(
@@ -91,8 +166,8 @@ class PackedCollator:
         ignore_index: int = IGNORE_INDEX,
         return_varlen_kwargs: bool = True,
     ):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"`pad_to_multiple_of` must be a positive int, got {pad_to_multiple_of}.")
+        if pad_to_multiple_of is not None:
+            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_token_id = pad_token_id
         self.ignore_index = ignore_index
@@ -105,28 +180,32 @@ class PackedCollator:
         )
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
-        """Collate `examples` (dicts with `input_ids`, optionally `labels` and `seq_lengths`) into one packed row.
+        """Collate `examples` into one packed row.
 
-        A missing `labels` means every token is trained (`labels = input_ids`); a missing `seq_lengths` means the
-        example is one sequence.
+        Each example is a dict with `input_ids` and optionally `labels` (missing: every token is trained),
+        `seq_lengths` (missing: the example is one sequence), `seq_targets` and `seq_weights` (per sequence, as
+        `pack_dataset` writes them) or `weight` (a single conversation's weight). Weights must be given for
+        every example of the batch or for none.
         """
-        id_parts, label_parts, seq_lengths = [], [], []
-        for index, example in enumerate(examples):
-            input_ids = example["input_ids"]
-            labels = example.get("labels", input_ids)
-            lengths = example.get("seq_lengths")
-            lengths = [len(input_ids)] if lengths is None else [int(n) for n in lengths]
-            if len(labels) != len(input_ids) or sum(lengths) != len(input_ids):
-                raise ValueError(
-                    f"`examples[{index}]` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths "
-                    f"summing to {sum(lengths)}: they must agree."
-                )
-            id_parts.append(input_ids)
-            label_parts.append(labels)
-            seq_lengths += lengths
-        input_ids, labels = _flatten(id_parts), _flatten(label_parts)
+        parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
+        if not parts:
+            raise ValueError("`examples` is empty.")
+        weighted = [weights is not None for *_, weights in parts]
+        if any(weighted) and not all(weighted):
+            raise ValueError(
+                f"`examples[{weighted.index(not weighted[0])}]` {'has' if weighted[0] is False else 'lacks'} "
+                "weights, unlike `examples[0]`: give a weight to every conversation of the batch or to none."
+            )
+        input_ids = np.concatenate([part[0] for part in parts])
+        labels = np.concatenate([part[1] for part in parts])
+        lengths = np.concatenate([part[2] for part in parts])
+        seq_targets = _sequence_targets(
+            labels, lengths, [(len(part[2]), part[3]) for part in parts], self.ignore_index
+        )
+        seq_weights = np.concatenate([part[4] for part in parts]) if all(weighted) else None
         # Empty sequences have no token to carry a position or a boundary.
-        lengths = np.array([n for n in seq_lengths if n > 0], dtype=np.int64)
+        nonempty = lengths > 0
+        lengths, seq_targets = lengths[nonempty], seq_targets[nonempty]
         if lengths.size == 0:
             raise ValueError("`examples` holds no token.")
 
@@ -135,6 +214,7 @@ class PackedCollator:
             input_ids = np.concatenate((input_ids, np.full(num_padding, self.pad_token_id, dtype=np.int64)))
             labels = np.concatenate((labels, np.full(num_padding, self.ignore_index, dtype=np.int64)))
             lengths = np.append(lengths, num_padding)
+            seq_targets = np.append(seq_targets, 1)  # no target: nothing to weigh, a finite divisor
 
         cu_seqlens = np.concatenate(([0], np.cumsum(lengths)))
         starts = cu_seqlens[:-1]
@@ -151,7 +231,11 @@ class PackedCollator:
             "cu_seqlens": cu_seqlens,
             "max_seqlen": max_seqlen,
             "num_sequences": int(has_target.sum()),
+            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
         }
+        if seq_weights is not None:
+            seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
+            batch["seq_weights"] = torch.from_numpy(seq_weights.astype(np.float32))
         if self.return_varlen_kwargs:
             batch.update(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
@@ -170,7 +254,10 @@ class PaddedCollator:
       `PackedCollator`, so both batches hold exactly the same targets);
     - `cu_seqlens` `(B + 1,)` int32, `arange(B + 1) * T`: each row is one sequence of the flattened `B * T`
       tokens (its padding included, which has no target);
-    - `num_sequences` (`int`): rows with at least one target.
+    - `num_sequences` (`int`): rows with at least one target;
+    - `seq_targets` `(B,)` int32: each row's target count under the shift (or the example's `seq_targets`,
+      for a piece of a split conversation), 1 for a row without targets (see `PackedCollator`);
+    - `seq_weights` `(B,)` float32, when the examples carry weights.
 
     Args:
         pad_token_id (`int`, *optional*, defaults to 0): padding token.
@@ -187,15 +274,15 @@ class PaddedCollator:
             [8, 9, 0]]), tensor([[1, 1, 1],
             [1, 1, 0]]), tensor([[-100,    6,    7],
             [-100,    9, -100]]))
-    >>> batch["cu_seqlens"], batch["num_sequences"]
-    (tensor([0, 3, 6], dtype=torch.int32), 2)
+    >>> batch["cu_seqlens"], batch["num_sequences"], batch["seq_targets"]
+    (tensor([0, 3, 6], dtype=torch.int32), 2, tensor([2, 1], dtype=torch.int32))
     """
 
     def __init__(
         self, pad_token_id: int = 0, *, pad_to_multiple_of: int | None = None, ignore_index: int = IGNORE_INDEX
     ):
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"`pad_to_multiple_of` must be a positive int, got {pad_to_multiple_of}.")
+        if pad_to_multiple_of is not None:
+            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
         self.pad_token_id = pad_token_id
         self.pad_to_multiple_of = pad_to_multiple_of
         self.ignore_index = ignore_index
@@ -207,32 +294,45 @@ class PaddedCollator:
         )
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
-        """Collate `examples` (dicts with `input_ids` and optionally `labels`, one conversation each)."""
-        if len(examples) == 0:
+        """Collate `examples`, one conversation each: dicts with `input_ids` and optionally `labels`,
+        `seq_targets` / `seq_weights` (one entry, as in a row of `pack_dataset`) or `weight`."""
+        parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
+        if not parts:
             raise ValueError("`examples` is empty.")
-        lengths = [len(example["input_ids"]) for example in examples]
-        width = max(lengths)
-        if self.pad_to_multiple_of:
-            width += -width % self.pad_to_multiple_of
-        input_ids = np.full((len(examples), width), self.pad_token_id, dtype=np.int64)
-        labels = np.full((len(examples), width), self.ignore_index, dtype=np.int64)
-        attention_mask = np.zeros((len(examples), width), dtype=np.int64)
-        for row, (example, length) in enumerate(zip(examples, lengths)):
-            seq_lengths = example.get("seq_lengths")
-            if seq_lengths is not None and len(seq_lengths) > 1:
+        for row, (_, _, lengths, _, _) in enumerate(parts):
+            if len(lengths) > 1:
                 raise ValueError(
                     f"`examples[{row}]` is a packed row; PaddedCollator takes one conversation per example."
                 )
-            row_labels = example.get("labels", example["input_ids"])
-            if len(row_labels) != length:
-                raise ValueError(f"`examples[{row}]` has {length} input_ids but {len(row_labels)} labels.")
-            input_ids[row, :length] = np.asarray(example["input_ids"], dtype=np.int64)
-            labels[row, 1:length] = np.asarray(row_labels, dtype=np.int64)[1:]
+        weighted = [weights is not None for *_, weights in parts]
+        if any(weighted) and not all(weighted):
+            raise ValueError(
+                f"`examples[{weighted.index(not weighted[0])}]` {'has' if weighted[0] is False else 'lacks'} "
+                "a weight, unlike `examples[0]`: give a weight to every conversation of the batch or to none."
+            )
+        lengths = [len(input_ids) for input_ids, *_ in parts]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width += -width % self.pad_to_multiple_of
+        input_ids = np.full((len(parts), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(parts), width), self.ignore_index, dtype=np.int64)
+        attention_mask = np.zeros((len(parts), width), dtype=np.int64)
+        for row, (row_ids, row_labels, _, _, _) in enumerate(parts):
+            length = len(row_ids)
+            input_ids[row, :length] = row_ids
+            labels[row, 1:length] = row_labels[1:]
             attention_mask[row, :length] = 1
-        return {
+        seq_targets = _sequence_targets(
+            labels.reshape(-1), np.full(len(parts), width), [(1, part[3]) for part in parts], self.ignore_index
+        )
+        batch = {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(attention_mask),
             "labels": torch.from_numpy(labels),
-            "cu_seqlens": torch.arange(len(examples) + 1, dtype=torch.int32) * width,
+            "cu_seqlens": torch.arange(len(parts) + 1, dtype=torch.int32) * width,
             "num_sequences": int((labels != self.ignore_index).any(axis=1).sum()),
+            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
         }
+        if all(weighted):
+            batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]).astype(np.float32))
+        return batch

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from importlib import metadata, resources
 from pathlib import Path
 
+from .checks import positive_int
 from .templates import CHATML_TEMPLATE
 
 DEFAULT_VOCAB_SIZE = 3072
@@ -83,6 +85,8 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    # The byte-level alphabet (256) and the special tokens are the smallest vocabulary.
+    positive_int(vocab_size, "vocab_size", minimum=256 + len(_SPECIAL_TOKENS))
     corpus_version = metadata.version("chatterbot-corpus")
     key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")
@@ -109,6 +113,9 @@ def load_messages_dataset(
 ):
     """A data set in the `messages` format, from a local JSON/JSONL file or folder, or a hub name.
 
+    A name that looks like a local path (see `local_path`) is never sent to the hub: a missing one raises at
+    once.
+
     Args:
         name_or_path (`str` or `os.PathLike`): a `.json` or `.jsonl` file with one conversation per record
             (`{"messages": [{"role": ..., "content": ...}, ...]}`), a local folder, or a data set name for
@@ -120,6 +127,11 @@ def load_messages_dataset(
 
     Returns:
         `datasets.Dataset` with a `messages` column.
+
+    Raises:
+        `FileNotFoundError`: a local path that does not exist.
+        `ValueError`: an empty file or data set, a malformed JSON line (its line number is in the message), a
+            file that is not `.json` / `.jsonl`, or no `messages_column`.
 
     Example:
 
@@ -133,11 +145,22 @@ def load_messages_dataset(
     """
     import datasets
 
-    path = Path(name_or_path)
-    if path.is_file() and path.suffix in (".json", ".jsonl"):
-        dataset = datasets.load_dataset("json", data_files=str(path), split=split, **kwargs)
-    else:
+    path = local_path(name_or_path, "name_or_path")
+    if path is None:
         dataset = datasets.load_dataset(str(name_or_path), split=split, **kwargs)
+    elif path.is_dir():
+        dataset = datasets.load_dataset(str(path), split=split, **kwargs)
+    elif path.suffix not in (".json", ".jsonl"):
+        raise ValueError(f"`name_or_path` {str(path)!r} is not a .json or .jsonl file (nor a folder).")
+    elif not path.read_text(encoding="utf-8").strip():
+        raise ValueError(f"`name_or_path` {str(path)!r} is empty: it holds no conversation.")
+    else:
+        try:
+            dataset = datasets.load_dataset("json", data_files=str(path), split=split, **kwargs)
+        except Exception as error:
+            _raise_json_error(path, error)
+    if dataset.num_rows == 0:
+        raise ValueError(f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty).")
     if messages_column not in dataset.column_names:
         raise ValueError(
             f"`name_or_path` {str(name_or_path)!r} has no column {messages_column!r}; "
@@ -146,6 +169,54 @@ def load_messages_dataset(
     if messages_column != "messages":
         dataset = dataset.rename_column(messages_column, "messages")
     return dataset
+
+
+# Data and model files that a hub name never ends with.
+_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".yaml", ".yml", ".gz", ".zip")
+# A hub repository id: `name` or `owner/name`.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
+def local_path(name_or_path: str | os.PathLike, argument: str) -> Path | None:
+    """`name_or_path` as a local `Path` if it names one, None if it is a hub name.
+
+    A local path is anything that exists, or that a hub repository id (`name` or `owner/name`) cannot be:
+    an absolute, `~` or `.`-relative path, a path of more than two parts or with a backslash, or a name ending
+    in a data or model file suffix (`.json`, `.jsonl`, `.csv`, `.parquet`, ...). So `data/chats.jsonl` or
+    `./tokenizer` are never sent to a hub, while `owner/name` is a hub name unless such a folder exists here.
+
+    Raises:
+        `FileNotFoundError`: `name_or_path` looks like a local path but does not exist (message names
+            `argument`).
+    """
+    text = os.fspath(name_or_path)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if isinstance(name_or_path, os.PathLike) or not _HUB_ID.fullmatch(text) or text.lower().endswith(_FILE_SUFFIXES):
+        raise FileNotFoundError(f"`{argument}` {text!r}: no such file or folder (looked locally, not on a hub).")
+    return None
+
+
+def _raise_json_error(path: Path, error: Exception):
+    """Re-raise a failed JSON load as a `ValueError` naming the first malformed line, if one is."""
+    import json
+
+    text = path.read_text(encoding="utf-8")
+    try:
+        json.loads(text)  # one JSON document: the problem is not its syntax
+    except json.JSONDecodeError:
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as line_error:
+                    raise ValueError(
+                        f"`name_or_path` {str(path)!r} line {number}: malformed JSON ({line_error.msg} at column "
+                        f"{line_error.colno})."
+                    ) from None
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as JSON: {cause}") from error
 
 
 def _corpus_conversations():

@@ -1,8 +1,19 @@
 """Packing tokenized conversations into rows of at most `max_length` tokens, boundaries kept.
 
-`pack_dataset` packs a whole `datasets.Dataset` at once with best-fit-decreasing; `pack_stream` and
-`PackedIterableDataset` pack a stream window by window. Both emit rows of the same layout,
-`{"input_ids", "labels", "seq_lengths"}`, which `PackedCollator` turns into a batch.
+`pack_dataset` packs a whole `datasets.Dataset` (or `datasets.IterableDataset`) at once with
+best-fit-decreasing; `pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit
+rows of the same layout, `{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may
+be split, `seq_weights` when the data carry a `weight`), which `PackedCollator` turns into a batch.
+
+Splitting (`overflow="split"`). A conversation of `L > M = max_length` tokens becomes pieces that start every
+`M - 1` tokens: piece `k` holds tokens `[k (M - 1), k (M - 1) + M)` (the last one is shorter). Each piece
+after the first starts one token early, on the last token of the piece before, and that token's label is set
+to `ignore_index` in the row. Under the causal shift, where token `t` predicts label `t + 1` of its own
+sequence, piece `k` then trains exactly the labels `k (M - 1) + 1 .. k (M - 1) + M - 1`: every label of the
+conversation after its first is trained exactly once, the one at each cut included (as the target of the
+repeated token), and no token is lost. The price is one repeated input token per cut, which carries no
+target. Each piece carries in `seq_targets` the target count of the whole conversation, so a loss that weighs
+each target `1 / seq_targets` gives the conversation a total weight of exactly 1 however it was cut.
 """
 
 from __future__ import annotations
@@ -17,25 +28,37 @@ from typing import Literal
 import numpy as np
 import torch
 
+from .chat import IGNORE_INDEX
+from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
+
 logger = logging.getLogger(__name__)
 
-Overflow = Literal["truncate", "drop", "error"]
+Overflow = Literal["truncate", "drop", "error", "split"]
+OVERFLOWS = ("truncate", "drop", "error", "split")
+# The optional per-conversation weight column of a tokenized data set (see `PackedCollator`).
+WEIGHT_COLUMN = "weight"
 
 
 @dataclasses.dataclass
 class PackingStats:
-    """What packing did to the conversations: nothing is dropped or shortened without being counted here.
+    """What packing did to the conversations: nothing is dropped, shortened or cut without being counted here.
 
     Attributes:
         max_length (`int`): the row capacity in tokens.
         num_conversations (`int`): conversations read.
-        num_packed (`int`): conversations placed in a row (truncated ones included).
+        num_packed (`int`): conversations placed in rows (truncated and split ones included, each once).
         num_truncated (`int`): conversations longer than `max_length`, cut to their first `max_length` tokens.
         num_truncated_tokens (`int`): tokens removed by that truncation.
         num_dropped (`int`): conversations longer than `max_length` left out (`overflow="drop"`).
+        num_split (`int`): conversations longer than `max_length` cut into pieces (`overflow="split"`).
+        num_split_pieces (`int`): the pieces they became (each a sequence of its own in a row).
         num_empty (`int`): conversations with no token, left out.
+        num_without_targets (`int`): packed conversations with no target under the causal shift (no label
+            other than `ignore_index` after their first token, e.g. truncation cut every assistant token): they
+            take room in the rows and train nothing.
         num_rows (`int`): rows produced.
-        num_tokens (`int`): tokens in the rows.
+        num_tokens (`int`): tokens in the rows (with `overflow="split"`, the token repeated at each cut counts
+            once per piece).
     """
 
     max_length: int
@@ -44,7 +67,10 @@ class PackingStats:
     num_truncated: int = 0
     num_truncated_tokens: int = 0
     num_dropped: int = 0
+    num_split: int = 0
+    num_split_pieces: int = 0
     num_empty: int = 0
+    num_without_targets: int = 0
     num_rows: int = 0
     num_tokens: int = 0
 
@@ -57,13 +83,15 @@ class PackingStats:
         return (
             f"packed {self.num_packed} of {self.num_conversations} conversations into {self.num_rows} rows of "
             f"{self.max_length} tokens (efficiency {self.efficiency:.2%}); truncated {self.num_truncated} "
-            f"({self.num_truncated_tokens} tokens cut), dropped {self.num_dropped}, empty {self.num_empty}"
+            f"({self.num_truncated_tokens} tokens cut), dropped {self.num_dropped}, split {self.num_split} "
+            f"(into {self.num_split_pieces} pieces), empty {self.num_empty}, without targets "
+            f"{self.num_without_targets}"
         )
 
     def log(self) -> None:
-        """Log the summary: a warning when conversations were truncated, dropped or empty, else info."""
-        level = logging.WARNING if self.num_truncated or self.num_dropped or self.num_empty else logging.INFO
-        logger.log(level, "%s", self)
+        """Log the summary: a warning when conversations were truncated, dropped, empty or untrained, else info."""
+        lossy = self.num_truncated or self.num_dropped or self.num_empty or self.num_without_targets
+        logger.log(logging.WARNING if lossy else logging.INFO, "%s", self)
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
@@ -130,10 +158,15 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
     return order[by_bin], np.bincount(bin_of, minlength=num_bins)
 
 
+def _check_packing_options(max_length, overflow, name: str = "max_length") -> int:
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"`overflow` must be one of {', '.join(map(repr, OVERFLOWS))}, got {overflow!r}.")
+    # A piece of one token has no target and would not advance: splitting needs two tokens per row.
+    return positive_int(max_length, name, minimum=2 if overflow == "split" else 1)
+
+
 def _cut_to_capacity(lengths: np.ndarray, max_length: int, overflow: Overflow, stats: PackingStats) -> np.ndarray:
-    """Lengths after overflow handling: 0 marks an item left out. Updates `stats`."""
-    if overflow not in ("truncate", "drop", "error"):
-        raise ValueError(f"`overflow` must be 'truncate', 'drop' or 'error', got {overflow!r}.")
+    """Lengths after overflow handling (split conversations keep theirs): 0 marks an item left out."""
     too_long = lengths > max_length
     stats.num_conversations += len(lengths)
     stats.num_empty += int((lengths == 0).sum())
@@ -142,40 +175,107 @@ def _cut_to_capacity(lengths: np.ndarray, max_length: int, overflow: Overflow, s
             first = int(np.flatnonzero(too_long)[0])
             raise ValueError(
                 f"{int(too_long.sum())} conversations are longer than `max_length`={max_length} (the first, at "
-                f"index {first}, has {int(lengths[first])} tokens); use overflow='truncate' or 'drop'."
+                f"index {first}, has {int(lengths[first])} tokens); use overflow='truncate', 'drop' or 'split'."
             )
         if overflow == "truncate":
             stats.num_truncated += int(too_long.sum())
             stats.num_truncated_tokens += int((lengths[too_long] - max_length).sum())
             lengths = np.minimum(lengths, max_length)
-        else:
+        elif overflow == "drop":
             stats.num_dropped += int(too_long.sum())
             lengths = np.where(too_long, 0, lengths)
+        else:
+            stats.num_split += int(too_long.sum())
     return lengths
 
 
-def pack_dataset(dataset, max_length: int, *, overflow: Overflow = "truncate", return_stats: bool = False):
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which piece of which conversation goes where: pieces in row order, rows in the order they were opened."""
+
+    source: np.ndarray  # (P,) int64: index of the piece's conversation in the input
+    offset: np.ndarray  # (P,) int64: first token of the piece within its conversation (0 unless split)
+    length: np.ndarray  # (P,) int64: tokens of the piece
+    per_row: np.ndarray  # (R,) int64: pieces in each row
+
+
+def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingStats) -> _Plan:
+    """Cut conversations of `kept` tokens (0: left out) into pieces and pack them with best-fit-decreasing."""
+    source = np.flatnonzero(kept > 0)
+    length = kept[source]
+    offset = np.zeros_like(length)
+    if split:
+        # Pieces start every M - 1 tokens (see the module docstring): ceil((L - 1) / (M - 1)) of them.
+        stride = max_length - 1
+        num_pieces = np.maximum(1, -(-(length - 1) // stride))
+        first_piece = np.cumsum(num_pieces) - num_pieces
+        piece = np.arange(int(num_pieces.sum())) - np.repeat(first_piece, num_pieces)
+        source, offset = np.repeat(source, num_pieces), piece * stride
+        length = np.minimum(max_length, np.repeat(length, num_pieces) - offset)
+        stats.num_split_pieces += int(num_pieces[num_pieces > 1].sum())
+    order, per_row = _best_fit_decreasing(length, max_length)
+    stats.num_packed += int((kept > 0).sum())
+    stats.num_rows += len(per_row)
+    stats.num_tokens += int(length.sum())
+    return _Plan(source[order], offset[order], length[order], per_row)
+
+
+def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool) -> dict[str, np.ndarray]:
+    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting) and `seq_weights` (with weights).
+
+    `seq_targets` is the target count of the piece's whole conversation, or 1 for a conversation without
+    targets: it has no target to weigh, and a divisor of 1 keeps `weight / seq_targets` finite.
+    """
+    columns = {"seq_lengths": plan.length}
+    if split:
+        columns["seq_targets"] = np.maximum(targets[plan.source], 1)
+    if weights is not None:
+        columns["seq_weights"] = weights[plan.source]
+    return columns
+
+
+def pack_dataset(
+    dataset,
+    max_length: int,
+    *,
+    overflow: Overflow = "truncate",
+    ignore_index: int = IGNORE_INDEX,
+    return_stats: bool = False,
+):
     """Pack tokenized conversations into rows of at most `max_length` tokens with best-fit-decreasing.
 
     The whole data set is packed at once (not batch by batch), so the long conversations of one part
-    find the short ones of another. A conversation is never split between rows: one longer than
-    `max_length` is truncated to its first `max_length` tokens (default), dropped, or raises. Every such
-    case is counted in the returned `PackingStats` and logged as a warning, with the packing efficiency
-    (real tokens / (rows * max_length)). Deterministic: the same input gives the same rows.
+    find the short ones of another. A conversation longer than `max_length` is truncated to its first
+    `max_length` tokens (default), dropped, split into pieces (see the module docstring: every target is
+    still trained exactly once), or raises. Every such case is counted in the returned `PackingStats` and
+    logged, with the packing efficiency (real tokens / (rows * max_length)). Deterministic: the same input
+    gives the same rows.
 
     Args:
-        dataset (`datasets.Dataset`): columns `input_ids` and `labels`, lists of ints of equal length per row
-            (as made by `tokenize_dataset`). Other columns are not carried over.
-        max_length (`int`): row capacity in tokens.
+        dataset (`datasets.Dataset` or `datasets.IterableDataset`): columns `input_ids` and `labels`, lists of
+            ints of equal length per row (as made by `tokenize_dataset`), and optionally `weight`, a real
+            number >= 0 per conversation (e.g. to weight data sources). An `IterableDataset` is read to the end
+            (packing the whole data set needs every length); use `pack_stream` to pack a stream window by
+            window. Other columns are not carried over.
+        max_length (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
         overflow (`str`, *optional*, defaults to `"truncate"`): what to do with a conversation longer than
-            `max_length`: `"truncate"`, `"drop"` or `"error"` (raise `ValueError`).
+            `max_length`: `"truncate"`, `"drop"`, `"split"` or `"error"` (raise `ValueError`).
+        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
         return_stats (`bool`, *optional*, defaults to `False`): also return the `PackingStats`.
 
     Returns:
-        `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints, at most `max_length` long) and
-        `seq_lengths` (the length of each conversation in the row, in row order; they sum to the row's length),
-        or `(dataset, PackingStats)` with `return_stats=True`. Rows come in the order they were opened
-        (longest conversations first); shuffle them in the DataLoader.
+        `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints, at most `max_length` long),
+        `seq_lengths` (the length of each sequence in the row, in row order; they sum to the row's length),
+        with `overflow="split"` `seq_targets` (for each sequence, the target count of its whole conversation,
+        1 for a conversation without targets) and, when `dataset` has a `weight` column, `seq_weights` (each
+        sequence's conversation weight); or `(dataset, PackingStats)` with `return_stats=True`. Rows come in
+        the order they were opened (longest pieces first); shuffle them in the DataLoader.
+
+    Raises:
+        `TypeError`: `dataset` is not a data set, `max_length` not an int, tokens or weights of the wrong type.
+        `ValueError`: `max_length` too small, unknown `overflow`, missing columns, negative token ids or labels
+            other than `ignore_index`, rows whose `input_ids` and `labels` differ in length, weights that are
+            not finite and >= 0.
 
     Example:
 
@@ -192,59 +292,129 @@ def pack_dataset(dataset, max_length: int, *, overflow: Overflow = "truncate", r
     {'input_ids': [12, 13, 14, 15, 16, 1, 2, 3], 'labels': [-100, 13, 14, 15, 16, -100, 2, 3], 'seq_lengths': [5, 3]}
     >>> stats.num_rows, stats.efficiency, stats.num_truncated
     (2, 1.0, 0)
+
+    Split into rows of 4 tokens, the 6-token conversation becomes pieces `[4, 5, 6, 7]` and `[7, 8, 9]`; the
+    repeated 7 is context only (label -100) and predicts 8, the target at the cut. The conversation has 4
+    targets (6, 7, 8, 9), carried by both pieces:
+
+    >>> split = pack_dataset(dataset.select([1, 2]), max_length=4, overflow="split")
+    >>> split["input_ids"][:], split["labels"][:]
+    ([[4, 5, 6, 7], [7, 8, 9], [10, 11]], [[-100, -100, 6, 7], [-100, 8, 9], [-100, 11]])
+    >>> split["seq_lengths"][:], split["seq_targets"][:]
+    ([[4], [3], [2]], [[4], [4], [1]])
     """
     import datasets
     import pyarrow as pa
-    import pyarrow.compute as pc
     from datasets.fingerprint import Hasher
 
-    if max_length < 1:
-        raise ValueError(f"`max_length` must be positive, got {max_length}.")
-    missing = {"input_ids", "labels"} - set(dataset.column_names)
-    if missing:
-        raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {dataset.column_names}.")
-
-    # The Arrow view honours any selection or shuffle applied to the data set.
-    table = dataset.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
-    input_ids = table["input_ids"].combine_chunks()
-    labels = table["labels"].combine_chunks()
-    lengths = pc.list_value_length(input_ids).to_numpy(zero_copy_only=False).astype(np.int64)
-    if not np.array_equal(lengths, pc.list_value_length(labels).to_numpy(zero_copy_only=False)):
-        raise ValueError("`dataset` has rows whose `input_ids` and `labels` differ in length.")
+    max_length = _check_packing_options(max_length, overflow)
+    lengths, input_ids, labels, weights, fingerprint = _read_columns(dataset)
+    check_tokens(input_ids, labels, ignore_index, "dataset")
 
     stats = PackingStats(max_length=max_length)
-    kept_lengths = _cut_to_capacity(lengths, max_length, overflow, stats)
-    kept = np.flatnonzero(kept_lengths > 0)
-    items, per_row = _best_fit_decreasing(kept_lengths[kept], max_length)
-    items = kept[items]
+    kept = _cut_to_capacity(lengths, max_length, overflow, stats)
+    targets = targets_per_sequence(labels, lengths, ignore_index, counted=kept)
+    stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
+    plan = _plan_rows(kept, max_length, overflow == "split", stats)
 
-    # Copy each item's kept tokens, in row order, out of the flattened token columns: one slice per item
-    # joined by numpy is faster than Arrow's `take` on list arrays.
-    seq_lengths = kept_lengths[items]
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))[items]
-    spans = list(zip(starts.tolist(), (starts + seq_lengths).tolist()))
-    item_bounds = np.concatenate(([0], np.cumsum(per_row)))
-    token_bounds = np.concatenate(([0], np.cumsum(seq_lengths)))[item_bounds]
+    # Copy each piece's tokens, in row order, out of the flattened token columns: one slice per piece joined
+    # by numpy is faster than Arrow's `take` on list arrays.
+    starts = (np.cumsum(lengths) - lengths)[plan.source] + plan.offset
+    spans = list(zip(starts.tolist(), (starts + plan.length).tolist()))
+    row_ids = np.concatenate([input_ids[a:b] for a, b in spans]) if spans else input_ids[:0]
+    row_labels = np.concatenate([labels[a:b] for a, b in spans]) if spans else labels[:0]
+    # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
+    piece_starts = np.cumsum(plan.length) - plan.length
+    row_labels[piece_starts[plan.offset > 0]] = ignore_index
 
-    def gather(column):
-        values = column.flatten().to_numpy(zero_copy_only=False)
-        return pa.array(np.concatenate([values[a:b] for a, b in spans]) if spans else values[:0])
-
-    packed = pa.table(
-        {
-            "input_ids": _list_array(token_bounds, gather(input_ids)),
-            "labels": _list_array(token_bounds, gather(labels)),
-            "seq_lengths": _list_array(item_bounds, pa.array(seq_lengths)),
-        }
-    )
-    stats.num_packed = len(items)
-    stats.num_rows = len(per_row)
-    stats.num_tokens = int(seq_lengths.sum())
+    piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
+    token_bounds = np.concatenate(([0], np.cumsum(plan.length)))[piece_bounds]
+    columns = {
+        "input_ids": _list_array(token_bounds, pa.array(row_ids)),
+        "labels": _list_array(token_bounds, pa.array(row_labels)),
+    }
+    for name, values in _row_metadata(plan, targets, weights, overflow == "split").items():
+        columns[name] = _list_array(piece_bounds, pa.array(values))
     stats.log()
     # An explicit fingerprint spares `datasets` hashing every token of the result.
-    fingerprint = Hasher.hash((dataset._fingerprint, max_length, overflow, "best-fit-decreasing"))
-    result = datasets.Dataset(datasets.table.InMemoryTable(packed), fingerprint=fingerprint)
+    if fingerprint is not None:
+        fingerprint = Hasher.hash((fingerprint, max_length, overflow, ignore_index, "best-fit-decreasing"))
+    result = datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)), fingerprint=fingerprint)
     return (result, stats) if return_stats else result
+
+
+def _read_columns(dataset):
+    """`(lengths, input_ids, labels, weights, fingerprint)` of a data set: flat int64 tokens, float64 weights.
+
+    `lengths` `(C,)`; `input_ids`, `labels` `(sum(lengths),)` back to back; `weights` `(C,)` or None without a
+    `weight` column; `fingerprint` None for an `IterableDataset`.
+    """
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
+        _require_columns(dataset.column_names)
+        names = [c for c in ("input_ids", "labels", WEIGHT_COLUMN) if c in dataset.column_names]
+        # The Arrow view honours any selection or shuffle applied to the data set.
+        table = dataset.select_columns(names).with_format("arrow")[:]
+        input_ids, lengths = _arrow_tokens(table["input_ids"].combine_chunks(), "input_ids")
+        labels, label_lengths = _arrow_tokens(table["labels"].combine_chunks(), "labels")
+        weights = None
+        if WEIGHT_COLUMN in names:
+            column = table[WEIGHT_COLUMN]
+            if column.null_count:
+                raise ValueError(f"`dataset` column {WEIGHT_COLUMN!r} has {column.null_count} missing values.")
+            weights = weight_array(column.to_numpy(), f"dataset[{WEIGHT_COLUMN!r}]")
+        fingerprint = dataset._fingerprint
+    elif isinstance(dataset, datasets.IterableDataset):
+        ids_parts, label_parts, weight_list = [], [], []
+        for index, row in enumerate(dataset):
+            if index == 0:
+                _require_columns(list(row))
+                has_weight = WEIGHT_COLUMN in row
+            ids_parts.append(token_array(row["input_ids"], f"dataset[{index}]['input_ids']"))
+            label_parts.append(token_array(row["labels"], f"dataset[{index}]['labels']"))
+            if has_weight:
+                weight_list.append(conversation_weight(row[WEIGHT_COLUMN], f"dataset[{index}][{WEIGHT_COLUMN!r}]"))
+        lengths = np.array([len(part) for part in ids_parts], dtype=np.int64)
+        label_lengths = np.array([len(part) for part in label_parts], dtype=np.int64)
+        input_ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+        labels = np.concatenate(label_parts) if label_parts else np.zeros(0, dtype=np.int64)
+        weights = np.array(weight_list, dtype=np.float64) if ids_parts and has_weight else None
+        fingerprint = None
+    else:
+        raise TypeError(
+            f"`dataset` must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}; "
+            "pack other iterables of examples with pack_stream or PackedIterableDataset."
+        )
+    if not np.array_equal(lengths, label_lengths):
+        row = int(np.flatnonzero(lengths != label_lengths)[0])
+        raise ValueError(
+            f"`dataset` row {row} has {lengths[row]} input_ids but {label_lengths[row]} labels: they must agree."
+        )
+    return lengths, input_ids, labels, weights, fingerprint
+
+
+def _require_columns(names) -> None:
+    missing = {"input_ids", "labels"} - set(names)
+    if missing:
+        raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {list(names)}.")
+
+
+def _arrow_tokens(column, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The values of an Arrow list-of-ints column, flat as int64, and the length of each row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        raise ValueError(f"`dataset` column {name!r} has {column.null_count} missing rows.")
+    value_type = getattr(column.type, "value_type", None)
+    if value_type is None or not (pa.types.is_integer(value_type) or pa.types.is_null(value_type)):
+        raise TypeError(f"`dataset` column {name!r} must hold lists of ints, got {column.type}.")
+    values = column.flatten()
+    if values.null_count:
+        raise ValueError(f"`dataset` column {name!r} has {values.null_count} missing tokens.")
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    return values.to_numpy(zero_copy_only=False).astype(np.int64), lengths
 
 
 def _list_array(bounds: np.ndarray, values):
@@ -262,24 +432,28 @@ def pack_stream(
     *,
     overflow: Overflow = "truncate",
     buffer_size: int = 1024,
+    ignore_index: int = IGNORE_INDEX,
     stats: PackingStats | None = None,
-) -> Iterator[dict[str, list[int]]]:
+) -> Iterator[dict[str, list]]:
     """Pack a stream of tokenized conversations into rows of at most `max_tokens` tokens, on the fly.
 
     Conversations are read `buffer_size` at a time and each buffer is packed with best-fit-decreasing, so
     memory stays bounded on streaming data sets; a larger buffer packs tighter. Over-long conversations are
-    handled as in `pack_dataset` and counted in `stats`; a summary is logged when the stream ends.
+    handled as in `pack_dataset` (the pieces of a split conversation are packed within its buffer) and counted
+    in `stats`; a summary is logged when the stream ends.
 
     Args:
-        examples (iterable of dict): each with `input_ids` and `labels` (equal-length sequences of ints),
-            e.g. a tokenized `datasets.IterableDataset`.
-        max_tokens (`int`): row capacity in tokens.
-        overflow (`str`, *optional*, defaults to `"truncate"`): `"truncate"`, `"drop"` or `"error"`.
+        examples (iterable of dict): each with `input_ids` and `labels` (equal-length sequences of ints) and
+            optionally `weight` (in every example or in none), e.g. a tokenized `datasets.IterableDataset`.
+        max_tokens (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
+        overflow (`str`, *optional*, defaults to `"truncate"`): `"truncate"`, `"drop"`, `"split"` or `"error"`.
         buffer_size (`int`, *optional*, defaults to 1024): conversations packed together.
+        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
         stats (`PackingStats`, *optional*): updated in place as the stream is read.
 
     Yields:
-        `dict` with `input_ids`, `labels` and `seq_lengths` (lists of ints), the row layout of `pack_dataset`.
+        `dict` with `input_ids`, `labels` and `seq_lengths` (lists of ints), plus `seq_targets` with
+        `overflow="split"` and `seq_weights` with weights: the row layout of `pack_dataset`.
 
     Example:
 
@@ -287,39 +461,65 @@ def pack_stream(
     >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
     >>> [row["seq_lengths"] for row in pack_stream(stream, max_tokens=6)]
     [[5], [3, 2]]
+    >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
+    >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
+    [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
     """
+    # Checked here, at the call, not at the first row a generator would reach.
+    max_tokens = _check_packing_options(max_tokens, overflow, "max_tokens")
+    buffer_size = positive_int(buffer_size, "buffer_size")
     if stats is None:
         stats = PackingStats(max_length=max_tokens)
-    buffer: list[tuple[list[int], list[int]]] = []
-    for example in examples:
-        input_ids, labels = list(example["input_ids"]), list(example["labels"])
+    return _pack_stream(examples, max_tokens, overflow, buffer_size, ignore_index, stats)
+
+
+def _pack_stream(examples, max_tokens: int, overflow: Overflow, buffer_size: int, ignore_index: int, stats):
+    buffer: list[tuple[np.ndarray, np.ndarray, float | None]] = []
+    has_weight = None
+    for index, example in enumerate(examples):
+        name = f"examples[{index}]"
+        input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
+        labels = token_array(example["labels"], f"{name}['labels']")
         if len(input_ids) != len(labels):
-            raise ValueError("`examples` has an example whose `input_ids` and `labels` differ in length.")
-        buffer.append((input_ids, labels))
+            raise ValueError(f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree.")
+        check_tokens(input_ids, labels, ignore_index, name)
+        if has_weight is None:
+            has_weight = WEIGHT_COLUMN in example
+        if (WEIGHT_COLUMN in example) != has_weight:
+            state = "lacks" if has_weight else "has"
+            raise ValueError(f"`{name}` {state} a {WEIGHT_COLUMN!r}, unlike the first example.")
+        weight = conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]") if has_weight else None
+        buffer.append((input_ids, labels, weight))
         if len(buffer) == buffer_size:
-            yield from _pack_buffer(buffer, max_tokens, overflow, stats)
+            yield from _pack_buffer(buffer, max_tokens, overflow, ignore_index, stats)
             buffer = []
-    yield from _pack_buffer(buffer, max_tokens, overflow, stats)
+    if buffer:
+        yield from _pack_buffer(buffer, max_tokens, overflow, ignore_index, stats)
     stats.log()
 
 
-def _pack_buffer(buffer, max_tokens, overflow, stats) -> Iterator[dict[str, list[int]]]:
-    lengths = _cut_to_capacity(np.array([len(ids) for ids, _ in buffer], dtype=np.int64), max_tokens, overflow, stats)
-    kept = np.flatnonzero(lengths > 0)
-    items, per_row = _best_fit_decreasing(lengths[kept], max_tokens)
-    items = kept[items].tolist()
+def _pack_buffer(buffer, max_tokens: int, overflow: Overflow, ignore_index: int, stats: PackingStats):
+    lengths = np.array([len(input_ids) for input_ids, _, _ in buffer], dtype=np.int64)
+    labels = np.concatenate([labels for _, labels, _ in buffer])
+    kept = _cut_to_capacity(lengths, max_tokens, overflow, stats)
+    targets = targets_per_sequence(labels, lengths, ignore_index, counted=kept)
+    stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
+    weights = None if buffer[0][2] is None else np.array([weight for _, _, weight in buffer])
+    plan = _plan_rows(kept, max_tokens, overflow == "split", stats)
+    metadata = _row_metadata(plan, targets, weights, overflow == "split")
+    metadata = {name: values.tolist() for name, values in metadata.items()}
     start = 0
-    for count in per_row.tolist():
-        row = {"input_ids": [], "labels": [], "seq_lengths": []}
-        for item in items[start : start + count]:
-            length = int(lengths[item])
-            row["input_ids"] += buffer[item][0][:length]
-            row["labels"] += buffer[item][1][:length]
-            row["seq_lengths"].append(length)
+    for count in plan.per_row.tolist():
+        row = {"input_ids": [], "labels": []}
+        for piece in range(start, start + count):
+            input_ids, labels, _ = buffer[plan.source[piece]]
+            a = int(plan.offset[piece])
+            b = a + int(plan.length[piece])
+            row["input_ids"] += input_ids[a:b].tolist()
+            # A piece after the first repeats the token before its cut (trained in the piece before).
+            row["labels"] += ([ignore_index] if a else []) + labels[a + bool(a) : b].tolist()
+        row.update({name: values[start : start + count] for name, values in metadata.items()})
         start += count
-        stats.num_packed += count
-        stats.num_rows += 1
-        stats.num_tokens += len(row["input_ids"])
         yield row
 
 
@@ -334,7 +534,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     Args:
         source (iterable of dict): conversations with `input_ids` and `labels`.
         max_tokens (`int`): row capacity in tokens.
-        overflow (`str`, *optional*, defaults to `"truncate"`): as in `pack_stream`.
+        overflow (`str`, *optional*, defaults to `"truncate"`): as in `pack_stream` (`"split"` included).
         buffer_size (`int`, *optional*, defaults to 1024): as in `pack_stream`.
 
     Example:
@@ -352,7 +552,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         self, source: Iterable[Mapping], max_tokens: int, *, overflow: Overflow = "truncate", buffer_size: int = 1024
     ):
         self.source = source
-        self.max_tokens = max_tokens
+        self.max_tokens = _check_packing_options(max_tokens, overflow, "max_tokens")
+        positive_int(buffer_size, "buffer_size")
         self.overflow = overflow
         self.buffer_size = buffer_size
         self.stats = PackingStats(max_length=max_tokens)

@@ -18,8 +18,30 @@ TOKENIZER_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line (exit status 2, as argparse's)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive(kind):
+    """An argparse type: a number of `kind` (int or float) that must be finite and > 0."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be finite and > 0")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="packed-ce",
         description="Packing-aware cross entropy: see that packed training equals unpacked "
         "per-sequence training, and pack data sets.",
@@ -47,19 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
         "weights (default: a 2-layer Llama, hidden size 64)",
     )
     demo.add_argument(
-        "--max-length", type=int, default=512, help="tokens per packed row (default: %(default)s)"
+        "--max-length", type=_positive(int), default=512, help="tokens per packed row (default: %(default)s)"
     )
     demo.add_argument(
-        "--steps", type=int, default=12, help="optimiser steps of each run (default: %(default)s)"
+        "--steps", type=_positive(int), default=12, help="optimiser steps of each run (default: %(default)s)"
     )
     demo.add_argument(
         "--rows-per-step",
-        type=int,
+        type=_positive(int),
         default=2,
         help="packed rows per step; the padded run gets their conversations (default: %(default)s)",
     )
     demo.add_argument(
-        "--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)"
+        "--lr", type=_positive(float), default=1e-3, help="AdamW learning rate (default: %(default)s)"
     )
     demo.add_argument(
         "--attn-implementation",
@@ -95,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--dataset", default=None, help=DATA_HELP)
     pack.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     pack.add_argument(
-        "--max-length", type=int, default=4096, help="tokens per packed row (default: %(default)s)"
+        "--max-length", type=_positive(int), default=4096, help="tokens per packed row (default: %(default)s)"
     )
     pack.add_argument(
         "--overflow",
         default="truncate",
-        choices=["truncate", "drop", "error"],
+        choices=["truncate", "drop", "split", "error"],
         help="what to do with a conversation longer than --max-length (default: %(default)s)",
     )
     pack.add_argument("--output", required=True, help="folder to save the packed data set to")
@@ -109,10 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``packed-ce``; returns the exit status."""
+    """Entry point of ``packed-ce``; returns the exit status (2 for a user error, printed as one line)."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, TypeError, OSError) as error:
+        # Bad data, paths or options: the message names the problem; a traceback would bury it.
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        print(f"packed-ce {args.command}: error: {lines[0]}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from collators.data import local_path
+
     import packed_ce_demo as demo
 
+    # A local path is checked here, so that a missing one is never looked up on a hub.
+    for option in ("dataset", "tokenizer", "model_config"):
+        if getattr(args, option, None) is not None:
+            local_path(getattr(args, option), "--" + option.replace("_", "-"))
     if args.command == "demo":
         import torch
 
@@ -150,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"efficiency  {stats['efficiency']:.2%} (real tokens / row capacity)\n"
             f"truncated   {stats['num_truncated']} ({stats['num_truncated_tokens']} tokens cut)\n"
             f"dropped     {stats['num_dropped']}\n"
+            f"split       {stats['num_split']} (into {stats['num_split_pieces']} pieces)\n"
+            f"no targets  {stats['num_without_targets']}\n"
             f"empty       {stats['num_empty']}\n"
             f"saved to    {stats['output']}"
         )

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch.nn.functional as F
 datasets = pytest.importorskip("datasets")  # not on every GPU image
+from collator_reference import IGNORE  # also derandomises hypothesis when CI is set
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
 from collators import PackedCollator, PaddedCollator, pack_dataset
 
-IGNORE = -100
 
 # Three conversations: the third has no target, so it counts as a sequence in cu_seqlens but not in
 # num_sequences; the second has its only prompt token first.
@@ -68,7 +68,9 @@ def test_packed_pad_to_multiple_of():
 
 def test_packed_options_and_inputs():
     plain = PackedCollator(return_varlen_kwargs=False)(EXAMPLES)
-    assert set(plain) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "num_sequences"}
+    assert set(plain) == {
+        "input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen", "num_sequences", "seq_targets"
+    }
     # Missing labels train every token; tensors and arrays are accepted like lists.
     no_labels = PackedCollator()([{"input_ids": torch.tensor([1, 2])}, {"input_ids": [3, 4, 5]}])
     assert no_labels["labels"].tolist() == [[IGNORE, 2, IGNORE, 4, 5]]

@@ -78,7 +78,9 @@ def test_load_messages_dataset_from_jsonl(tmp_path):
         load_messages_dataset(path)
 
 
-@pytest.mark.parametrize("module", ["collators.chat", "collators.collate", "collators.data", "collators.packing"])
+@pytest.mark.parametrize(
+    "module", ["collators.chat", "collators.collate", "collators.data", "collators.packing", "collators.sharding"]
+)
 def test_docstring_examples(module, tokenizer, cache_dir, monkeypatch):
     """The `>>>` examples in the docstrings are exact."""
     # The examples call load_default_tokenizer() without cache_dir: point them at the copy trained above.

@@ -82,9 +82,9 @@ def test_demo_options_local_data_and_model_config(tmp_path, capsys):
     assert report["passed"]
 
 
-def test_demo_refuses_too_few_rows(tmp_path):
-    with pytest.raises(ValueError, match="packed rows"):
-        main(["demo", "--steps", "1000", "--output-dir", str(tmp_path), "--no-progress"])
+def test_demo_refuses_too_few_rows(tmp_path, capsys):
+    assert main(["demo", "--steps", "1000", "--output-dir", str(tmp_path), "--no-progress"]) == 2
+    assert "packed rows" in capsys.readouterr().err
 
 
 def test_pack_saves_the_rows_and_prints_the_statistics(tmp_path, capsys):

@@ -1,0 +1,108 @@
+"""Argument checks shared by the tokenizer, packing and collator entry points.
+
+Every check raises `TypeError` (wrong kind of value) or `ValueError` (right kind, wrong value) with the
+argument's name in the message, so a bad input never becomes a silently truncated float, a dropped token or
+a bare numpy error.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+
+def positive_int(value, name: str, *, minimum: int = 1) -> int:
+    """`value` as an `int`, which must be an integer (not a bool or a float) and at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value}.")
+    return int(value)
+
+
+def token_array(value, name: str) -> np.ndarray:
+    """A sequence of token ids or labels as a 1-D int64 array.
+
+    Accepts a list, tuple, numpy array or tensor of integers. A 2-D array or tensor with one row (what
+    `tokenizer(..., return_tensors="pt")` returns, shape `(1, T)`) is that row; any other 2-D or deeper shape
+    is refused, as are floats and bools (`[1.7]` would otherwise become token 1) and `None` entries.
+    """
+    if torch.is_tensor(value):
+        value = value.detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except ValueError as error:  # ragged nesting
+        raise ValueError(f"`{name}` must be a flat sequence of ints: {error}") from None
+    if array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 1:
+        raise ValueError(f"`{name}` must be 1-D (or one row of shape (1, T)), got shape {tuple(array.shape)}.")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"`{name}` must hold ints, got dtype {array.dtype}: convert it, e.g. to a list of ints.")
+    return array.astype(np.int64, copy=False)
+
+
+def check_tokens(input_ids: np.ndarray, labels: np.ndarray, ignore_index: int, name: str) -> None:
+    """Token ids are >= 0 and every label is `ignore_index` or >= 0 (a class index)."""
+    if input_ids.size and input_ids.min() < 0:
+        raise ValueError(f"`{name}` has a negative token id {int(input_ids.min())} in `input_ids`.")
+    bad = (labels < 0) & (labels != ignore_index)
+    if bad.any():
+        raise ValueError(
+            f"`{name}` has the label {int(labels[bad][0])} in `labels`: labels are token ids (>= 0) or "
+            f"ignore_index={ignore_index}."
+        )
+
+
+def conversation_weight(value, name: str) -> float:
+    """A per-conversation weight: a finite real number >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}.")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"`{name}` must be finite and >= 0, got {value}.")
+    return float(value)
+
+
+def weight_array(values, name: str) -> np.ndarray:
+    """Per-conversation weights as a 1-D float64 array: real, finite, >= 0."""
+    if torch.is_tensor(values):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise ValueError(f"`{name}` must be 1-D, got shape {tuple(array.shape)}.")
+    if array.size and array.dtype.kind not in "iuf":
+        raise TypeError(f"`{name}` must hold real numbers, got dtype {array.dtype}.")
+    array = array.astype(np.float64)
+    bad = ~np.isfinite(array) | (array < 0)
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"`{name}` must be finite and >= 0, got {array[index]} at index {index}.")
+    return array
+
+
+def targets_per_sequence(
+    labels: np.ndarray, lengths: np.ndarray, ignore_index: int, *, counted: np.ndarray | None = None
+) -> np.ndarray:
+    """Targets of each sequence under the causal shift: labels other than `ignore_index` after its first token.
+
+    Args:
+        labels: `(N,)` int64, the sequences back to back.
+        lengths: `(S,)` int64 >= 0, summing to `N`.
+        counted: `(S,)` int64, optional: count only the first `counted[s] <= lengths[s]` tokens of sequence
+            `s` (what truncation keeps).
+
+    Returns:
+        `(S,)` int64: for sequence `s`, the count of `labels[t] != ignore_index` for `t` in
+        `(start_s, start_s + counted_s)`: the first label of a sequence is no target (no token before it
+        predicts it).
+    """
+    starts = np.cumsum(lengths) - lengths
+    is_target = labels != ignore_index
+    is_target[starts[lengths > 0]] = False
+    prefix = np.concatenate(([0], np.cumsum(is_target)))
+    return prefix[starts + (lengths if counted is None else counted)] - prefix[starts]

@@ -1,0 +1,169 @@
+"""Context parallelism: one rank's share of a packed batch, with the weights its targets need.
+
+With ring attention (accelerate's and torch's context parallelism) every rank holds a slice of each
+packed row. Causal attention makes late tokens costlier, so the row is cut into `2 W` equal chunks and rank
+`r` takes chunks `r` and `2 W - 1 - r` ("zig-zag"): each rank gets one cheap and one costly chunk.
+
+A rank then sees part of a conversation and cannot count its targets; the batch carries that count
+(`seq_targets`) from the collator, so each local target gets the weight `seq_weight / seq_targets[s]` of
+its conversation and the ranks' weighted sums add up to the loss of the whole batch. The labels are shifted
+before the cut (`shift_labels`, transformers' convention), so the target of a chunk's last token, which
+lies in the next chunk, is not lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .chat import IGNORE_INDEX
+from .checks import positive_int, targets_per_sequence
+
+
+def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
+    """The tokens of a packed batch that context-parallel rank `rank` of `world_size` holds.
+
+    The `T` tokens of the row are cut into `2 * world_size` chunks of `C = T / (2 * world_size)` tokens, and
+    rank `r` gets chunks `r` and `2 * world_size - 1 - r`, in that order (zig-zag, balanced for causal ring
+    attention). `T` must be a multiple of `2 * world_size`: collate with
+    `PackedCollator(pad_to_multiple_of=2 * world_size)` (or a multiple of it); the padding segment has no
+    target.
+
+    Use the result with `shift=False`: `shift_labels[t]` is the target of local token `t`. With `cu_seqlens`
+    and `seq_targets` (and `seq_weights`), `packed_ce.cross_entropy(logits, shard["shift_labels"],
+    cu_seqlens=shard["cu_seqlens"], seq_targets=shard["seq_targets"], is_packed=True, reduction="sum")` on
+    each rank weighs every target exactly as on the whole batch, so the sum over ranks equals the whole
+    batch's `"sum"` loss; divide by the whole batch's weight mass (the same on every rank) for the mean.
+    Attention still needs the whole row: the local `cu_seqlens` describe the local tokens for the loss, while
+    ring attention works from the global `position_ids` returned here.
+
+    Args:
+        batch (`dict`): a packed batch of `PackedCollator`: `input_ids` and `labels` `(1, T)` (labels aligned
+            with `input_ids`), `cu_seqlens` `(S + 1,)`, and optionally `position_ids` `(1, T)` (else rebuilt
+            from `cu_seqlens`), `seq_targets` `(S,)` (else each sequence's own target count) and
+            `seq_weights` `(S,)`.
+        rank (`int`): this rank, in `[0, world_size)`.
+        world_size (`int`): ranks sharing the row.
+        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
+
+    Returns:
+        `dict` on the batch's device:
+
+        - `input_ids` `(1, 2C)`, `position_ids` `(1, 2C)` int64: the local tokens and their global positions.
+        - `shift_labels` `(1, 2C)` int64: the target of each local token, `ignore_index` at the last token of
+          every sequence (and on padding).
+        - `cu_seqlens` `(S_local + 1,)` int32: boundaries of the local segments: a new segment starts at each
+          chunk's first token and at each sequence start inside a chunk.
+        - `seq_targets` `(S_local,)` int32: each segment's conversation target count (>= 1).
+        - `seq_weights` `(S_local,)` float32: each segment's conversation weight, when `batch` has them.
+
+    Example:
+
+    >>> import torch
+    >>> from collators import PackedCollator, shard_batch
+    >>> batch = PackedCollator()([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5]},
+    ...                           {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]}])
+    >>> shard = shard_batch(batch, rank=0, world_size=2)  # chunks 0 and 3 of [1 2][3 4][5 6][7 8]
+    >>> shard["input_ids"], shard["shift_labels"]
+    (tensor([[1, 2, 7, 8]]), tensor([[   2,    3,    8, -100]]))
+    >>> shard["cu_seqlens"], shard["seq_targets"]
+    (tensor([0, 2, 4], dtype=torch.int32), tensor([4, 2], dtype=torch.int32))
+    """
+    world_size = positive_int(world_size, "world_size")
+    rank = positive_int(rank, "rank", minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank}.")
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"`batch` must be a dict of tensors (a PackedCollator batch), got {type(batch).__name__}.")
+    missing = {"input_ids", "labels", "cu_seqlens"} - set(batch)
+    if missing:
+        raise ValueError(f"`batch` lacks {sorted(missing)}: shard a batch of PackedCollator.")
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    for name, tensor in (("input_ids", input_ids), ("labels", labels)):
+        if not torch.is_tensor(tensor) or tensor.dim() != 2 or tensor.shape[0] != 1 or tensor.dtype.is_floating_point:
+            raise ValueError(f"`batch['{name}']` must be an integer tensor of shape (1, T), got {_describe(tensor)}.")
+    num_tokens = input_ids.shape[1]
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` {tuple(input_ids.shape)}.")
+    cu_seqlens = batch["cu_seqlens"]
+    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}.")
+    cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+    if (
+        cu_seqlens.numel() < 2
+        or cu_seqlens[0] != 0
+        or cu_seqlens[-1] != num_tokens
+        or (cu_seqlens.diff() < 0).any()
+    ):
+        raise ValueError(
+            f"`batch['cu_seqlens']` must rise from 0 to T={num_tokens} without decreasing, got {cu_seqlens.tolist()}."
+        )
+    num_sequences = cu_seqlens.numel() - 1
+    lengths = cu_seqlens.diff()
+    num_chunks = 2 * world_size
+    if num_tokens % num_chunks:
+        raise ValueError(
+            f"`batch` has T={num_tokens} tokens, not a multiple of 2 * world_size = {num_chunks}: collate with "
+            f"PackedCollator(pad_to_multiple_of={num_chunks})."
+        )
+
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
+        position_ids = (torch.arange(num_tokens, device=input_ids.device) - starts)[None]
+    elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
+        raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
+    seq_targets = batch.get("seq_targets")
+    if seq_targets is None:
+        # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
+        own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
+        seq_targets = torch.from_numpy(np.maximum(own, 1))
+    per_sequence = {"seq_targets": seq_targets}
+    if batch.get("seq_weights") is not None:
+        per_sequence["seq_weights"] = batch["seq_weights"]
+    for name, values in per_sequence.items():
+        if not torch.is_tensor(values) or values.shape != (num_sequences,):
+            raise ValueError(
+                f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
+            )
+    if (per_sequence["seq_targets"] < 1).any():
+        raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
+    weights = per_sequence.get("seq_weights")
+    if weights is not None and not (weights.isfinite() & (weights >= 0)).all():
+        raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
+
+    # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
+    shift_labels = torch.full_like(labels[0], ignore_index)
+    shift_labels[:-1] = labels[0, 1:]
+    shift_labels[cu_seqlens[1:][lengths > 0] - 1] = ignore_index
+
+    size = num_tokens // num_chunks
+    chunk_starts = torch.tensor([rank * size, (num_chunks - 1 - rank) * size], device=input_ids.device)
+    local = (chunk_starts[:, None] + torch.arange(size, device=input_ids.device)).reshape(-1)
+    # Local segments: each chunk's first token, plus every sequence start strictly inside a chunk.
+    segment_starts = []
+    for index, start in enumerate(chunk_starts.tolist()):
+        inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + size)].unique_consecutive()
+        starts = torch.cat((torch.tensor([start], device=input_ids.device), inside))
+        segment_starts.append(starts - start + index * size)  # global token -> local index
+    local_starts = torch.cat(segment_starts)
+    # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
+    sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
+    shard = {
+        "input_ids": input_ids[:, local],
+        "position_ids": position_ids[:, local],
+        "shift_labels": shift_labels[local][None],
+        "cu_seqlens": torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
+        "seq_targets": per_sequence["seq_targets"].to(input_ids.device)[sequence_of].to(torch.int32),
+    }
+    if "seq_weights" in per_sequence:
+        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float32)
+    return shard
+
+
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__}"

@@ -1,0 +1,104 @@
+"""``packed-ce`` on bad input: one line on stderr, exit status 2, no traceback, and no hub look-up for a path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("datasets")  # the commands load their data with datasets
+import datasets
+import transformers
+
+from packed_ce_demo.cli import main
+
+CONVERSATION = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any hub look-up fails the test (AssertionError is not a user error, so main lets it through)."""
+
+    def refuse(name, *args, **kwargs):
+        raise AssertionError(f"{name!r} was sent to a hub loader")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
+    real_load = datasets.load_dataset
+
+    def load_local_json_only(path, *args, **kwargs):
+        if path != "json":
+            refuse(path)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_local_json_only)
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def files(tmp_path):
+    good = write(tmp_path / "good.jsonl", json.dumps(CONVERSATION) + "\n")
+    return {
+        "good": good,
+        "empty": write(tmp_path / "empty.jsonl", ""),
+        "blank": write(tmp_path / "blank.json", "\n  \n"),
+        "malformed": write(tmp_path / "bad.jsonl", json.dumps(CONVERSATION) + "\n\n" + '{"messages": [oops\n'),
+        "no_messages": write(tmp_path / "other.jsonl", json.dumps({"text": "hello"}) + "\n"),
+        "csv": write(tmp_path / "chats.csv", "a,b\n1,2\n"),
+    }
+
+
+# (arguments, the message's distinctive part); {name} is replaced by the path of that file.
+CASES = [
+    # Local paths that do not exist: refused at once, never looked up on a hub.
+    (["pack", "--dataset", "missing/chats.jsonl"], "`--dataset` 'missing/chats.jsonl': no such file or folder"),
+    (["pack", "--dataset", "./missing"], "`--dataset` './missing': no such file or folder"),
+    (["pack", "--dataset", "chats.jsonl"], "`--dataset` 'chats.jsonl': no such file or folder"),
+    (["pack", "--dataset", "/abs/path/to/data"], "no such file or folder"),
+    (["pack", "--dataset", "{good}", "--tokenizer", "./no-tokenizer"], "`--tokenizer` './no-tokenizer': no such"),
+    (["demo", "--model-config", "model.json"], "`--model-config` 'model.json': no such file or folder"),
+    (["demo", "--tokenizer", "a/b/c"], "`--tokenizer` 'a/b/c': no such file or folder"),
+    # Files that exist but hold no usable conversation.
+    (["pack", "--dataset", "{empty}"], "is empty: it holds no conversation"),
+    (["pack", "--dataset", "{blank}"], "is empty: it holds no conversation"),
+    (["pack", "--dataset", "{malformed}"], "line 3: malformed JSON"),
+    (["pack", "--dataset", "{no_messages}"], "has no column 'messages'"),
+    (["pack", "--dataset", "{csv}"], "is not a .json or .jsonl file"),
+    # Options out of range or of the wrong type (argparse, one line too).
+    (["pack", "--max-length", "0"], "argument --max-length: '0' must be finite and > 0"),
+    (["pack", "--max-length", "-1"], "argument --max-length: '-1' must be finite and > 0"),
+    (["pack", "--max-length", "2.5"], "argument --max-length: '2.5' is not a int"),
+    (["demo", "--lr", "nan"], "argument --lr: 'nan' must be finite and > 0"),
+    (["demo", "--lr", "inf"], "argument --lr: 'inf' must be finite and > 0"),
+    (["demo", "--steps", "0"], "argument --steps: '0' must be finite and > 0"),
+    (["demo", "--rows-per-step", "x"], "argument --rows-per-step: 'x' is not a int"),
+    (["pack", "--overflow", "wrap"], "argument --overflow: invalid choice: 'wrap'"),
+    (["pack"], "the following arguments are required: --output"),
+    (["launch"], "argument command: invalid choice: 'launch'"),
+    # Checked by the library, reported by the command.
+    (["pack", "--dataset", "{good}", "--max-length", "1", "--overflow", "split"], "`max_length` must be an int >= 2"),
+]
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(argv) for argv, _ in CASES])
+def test_user_errors_are_one_line_with_status_2(argv, message, tmp_path, capsys, monkeypatch, no_hub):
+    monkeypatch.chdir(tmp_path)
+    paths = files(tmp_path)
+    argv = [arg.format(**paths) for arg in argv]
+    if argv[0] == "pack" and "--output" not in argv and argv != ["pack"]:
+        argv += ["--output", str(tmp_path / "out")]
+    try:
+        status = main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    captured = capsys.readouterr()
+    # Progress bars of datasets may come first; the error is the one last line.
+    lines = captured.err.strip().splitlines()
+    assert status == 2, captured.err
+    assert "Traceback" not in captured.err, captured.err
+    assert [line for line in lines if "error" in line] == lines[-1:], captured.err
+    assert lines[-1].startswith("packed-ce") and message.format(**paths) in lines[-1]
+    assert not (tmp_path / "out").exists()

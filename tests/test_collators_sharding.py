@@ -1,0 +1,140 @@
+"""shard_batch: each rank's weighted "sum" loss adds up to the whole batch's, value and gradients, for 1, 2 and
+3 ranks in one process and 2 gloo processes, with cuts in the middle of a conversation, at a turn boundary and
+at a sequence boundary."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from collator_reference import IGNORE, lookup_table, packed_weighted_sum
+
+from collators import PackedCollator, shard_batch
+
+VOCAB = 40
+
+# Three conversations in 16 tokens. With 2 ranks (4 chunks of 4 tokens) the cuts fall at 4, inside the first
+# conversation between its user turn (0-3) and its answer (4-5): the target of token 3 is the first answer
+# token, across the cut; at 8, in the middle of the second conversation's answer; at 12, where the third
+# conversation starts (a sequence boundary).
+EXAMPLES = [
+    {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [IGNORE] * 4 + [5, 6], "weight": 1.0},
+    {"input_ids": [7, 8, 9, 10, 11, 12], "labels": [IGNORE, IGNORE, 9, 10, 11, 12], "weight": 2.5},
+    {"input_ids": [13, 14, 15, 16], "labels": [IGNORE, 14, 15, 16], "weight": 0.5},
+]
+
+
+def test_two_ranks_exact():
+    batch = PackedCollator()(EXAMPLES)
+    rank0, rank1 = shard_batch(batch, 0, 2), shard_batch(batch, 1, 2)
+    # Rank 0: chunks 0 and 3 (tokens 0-3 and 12-15); rank 1: chunks 1 and 2 (tokens 4-7 and 8-11).
+    assert rank0["input_ids"].tolist() == [[1, 2, 3, 4, 13, 14, 15, 16]]
+    assert rank0["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert rank0["shift_labels"].tolist() == [[IGNORE, IGNORE, IGNORE, 5, 14, 15, 16, IGNORE]]
+    assert rank0["cu_seqlens"].tolist() == [0, 4, 8] and rank0["cu_seqlens"].dtype == torch.int32
+    assert rank0["seq_targets"].tolist() == [2, 3] and rank0["seq_targets"].dtype == torch.int32
+    assert rank0["seq_weights"].tolist() == [1.0, 0.5] and rank0["seq_weights"].dtype == torch.float32
+    assert rank1["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert rank1["position_ids"].tolist() == [[4, 5, 0, 1, 2, 3, 4, 5]]
+    assert rank1["shift_labels"].tolist() == [[6, IGNORE, IGNORE, 9, 10, 11, 12, IGNORE]]
+    assert rank1["cu_seqlens"].tolist() == [0, 2, 4, 8]
+    assert rank1["seq_targets"].tolist() == [2, 4, 4]
+    assert rank1["seq_weights"].tolist() == [1.0, 2.5, 2.5]
+    assert set(rank0) == {"input_ids", "position_ids", "shift_labels", "cu_seqlens", "seq_targets", "seq_weights"}
+
+
+def local_weighted_sum(table, shard, logits=None):
+    """A rank's `sum_t w_t l_t` with `shift=False`: the target of local token t is `shift_labels[t]`."""
+    logits = table[shard["input_ids"][0]] if logits is None else logits
+    losses = F.cross_entropy(logits, shard["shift_labels"][0], ignore_index=IGNORE, reduction="none")
+    segment = torch.repeat_interleave(torch.arange(len(shard["seq_targets"])), shard["cu_seqlens"].diff().long())
+    weights = shard.get("seq_weights", torch.ones(len(shard["seq_targets"]))).double() / shard["seq_targets"].double()
+    return (weights[segment] * losses).sum()
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_add_up_to_the_whole_batch(world_size, weighted):
+    examples = EXAMPLES if weighted else [{k: v for k, v in e.items() if k != "weight"} for e in EXAMPLES]
+    # A second split conversation's piece: its seq_targets count the whole conversation.
+    examples = examples + [
+        dict({"input_ids": [20, 21, 22, 23, 24], "labels": [IGNORE, 21, IGNORE, 23, 24], "seq_lengths": [5],
+              "seq_targets": [9]}, **({"seq_weights": [3.0]} if weighted else {}))
+    ]
+    batch = PackedCollator(pad_to_multiple_of=2 * world_size)(examples)
+    table = lookup_table(VOCAB)
+    # The whole batch, by the per-sequence loop of the reference, with the logits as a leaf.
+    logits = table[batch["input_ids"][0]].detach().requires_grad_()
+    whole, _ = packed_weighted_sum(table, batch, logits)
+    whole.backward()
+
+    shards = [shard_batch(batch, rank, world_size) for rank in range(world_size)]
+    # Every token on exactly one rank.
+    tokens = sorted(t for shard in shards for t in shard["input_ids"][0].tolist())
+    assert tokens == sorted(batch["input_ids"][0].tolist())
+    total = 0.0
+    num_tokens = batch["input_ids"].shape[1]
+    size = num_tokens // (2 * world_size)
+    for rank, shard in enumerate(shards):
+        local = torch.cat((torch.arange(rank * size, (rank + 1) * size),
+                           torch.arange((2 * world_size - 1 - rank) * size, (2 * world_size - rank) * size)))
+        assert torch.equal(shard["input_ids"][0], batch["input_ids"][0, local])
+        assert torch.equal(shard["position_ids"][0], batch["position_ids"][0, local])
+        local_logits = table[shard["input_ids"][0]].detach().requires_grad_()
+        part = local_weighted_sum(table, shard, local_logits)
+        part.backward()
+        # Each rank's logit gradients are the matching slice of the whole batch's.
+        torch.testing.assert_close(local_logits.grad, logits.grad[local], rtol=1e-12, atol=1e-15)
+        total = total + part.detach()
+    torch.testing.assert_close(total, whole.detach(), rtol=1e-12, atol=0)
+
+    # Through the table (what a model's parameters see): the ranks' gradients add up to the whole batch's.
+    table.grad = None
+    packed_weighted_sum(table, batch)[0].backward()
+    expected_grad, table.grad = table.grad, None
+    sum(local_weighted_sum(table, shard) for shard in shards).backward()
+    torch.testing.assert_close(table.grad, expected_grad, rtol=1e-12, atol=1e-15)
+
+
+def test_without_seq_targets_each_sequence_counts_its_own():
+    batch = PackedCollator(pad_to_multiple_of=4)(EXAMPLES)
+    with_targets = shard_batch(batch, 1, 2)
+    without = shard_batch({k: v for k, v in batch.items() if k not in ("seq_targets", "position_ids")}, 1, 2)
+    for key in ("input_ids", "position_ids", "shift_labels", "cu_seqlens", "seq_targets"):
+        assert torch.equal(with_targets[key], without[key]), key
+
+
+def _gloo_rank(rank, port, world_size, out_dir):
+    """One context-parallel rank: its shard's weighted sum and table gradient, all-reduced over the ranks."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes on a small CI machine: one thread each
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        table = lookup_table(VOCAB)
+        shard = shard_batch(PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES), rank, world_size)
+        part = local_weighted_sum(table, shard)
+        part.backward()
+        total = part.detach().clone()
+        dist.all_reduce(total)
+        dist.all_reduce(table.grad)
+        torch.save({"loss": total, "grad": table.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_add_up_to_the_whole_batch(tmp_path):
+    """The same with two processes: all-reduced loss and gradients equal one process on the whole batch."""
+    import torch.multiprocessing as mp
+    from integration_utils import free_port
+
+    world_size = 2
+    mp.spawn(_gloo_rank, args=(free_port(), world_size, str(tmp_path)), nprocs=world_size, join=True)
+    table = lookup_table(VOCAB)
+    whole, _ = packed_weighted_sum(table, PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES))
+    whole.backward()
+    for rank in range(world_size):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(result["loss"], whole.detach(), rtol=1e-12, atol=0)
+        torch.testing.assert_close(result["grad"], table.grad, rtol=1e-12, atol=1e-15)
