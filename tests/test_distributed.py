@@ -22,13 +22,13 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import SequentialSampler
 
-from packed_ce.demo import split_rows
 
 from integration_utils import (
     assert_gradients_close,
     free_port,
     gradients,
     one_at_a_time,
+    split_rows,
     synthetic_conversations,
     tiny_model,
 )

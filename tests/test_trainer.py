@@ -17,13 +17,13 @@ from torch.utils.data import SequentialSampler
 from transformers import Trainer, TrainingArguments
 
 from collators import PackedCollator, PaddedCollator, pack_dataset
-from packed_ce.demo import split_rows
 from packed_ce.integrations import PackedTrainer, apply_packed_loss
 
 from integration_utils import (
     assert_loss_close,
     assert_gradients_close,
     one_at_a_time,
+    split_rows,
     relative_error,
     synthetic_conversations,
     tiny_model,
