@@ -170,6 +170,21 @@ SFT_ROW_LENGTH = 32
 SFT_LR = 0.5
 
 
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``t0 .. t{V-1}`` (``t0`` unknown, ``t1`` padding, ``t2`` end):
+    what trl needs next to pre-tokenized data, with no corpus or download."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+        unk_token="t0",
+        pad_token="t1",
+        eos_token="t2",
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def sft_tokenizer():
     """The offline default tokenizer (ChatML template with generation markers), 3072 tokens."""
