@@ -266,17 +266,19 @@ def updates(params: dict, initial: dict) -> dict:
     return {name: params[name] - initial[name] for name in initial}
 
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo-cpu"),
-    pytest.param(
-        "nccl",
-        id="nccl-2gpu",
+def on_two_gpus(backend: str):
+    return pytest.param(
+        backend,
+        id=f"{backend}-2gpu",
         marks=[
             pytest.mark.cuda,
             pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
         ],
-    ),
-]
+    )
+
+
+BACKENDS = [pytest.param("gloo", id="gloo-cpu"), on_two_gpus("nccl")]
+TRAINER_BACKENDS = BACKENDS + [on_two_gpus("nccl-fsdp2")]  # the trainers also under FSDP2
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +313,9 @@ def test_ddp_matches_one_process_on_the_global_batch(backend, results):
     print(f"{backend}: worst relative gradient error {worst:.2e}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_trainer_ddp_matches_one_process(backend, results):
-    device = "cuda" if backend == "nccl" else "cpu"
+@pytest.mark.parametrize("backend", TRAINER_BACKENDS)
+def test_packed_trainer_matches_one_process(backend, results):
+    device = "cpu" if backend == "gloo" else "cuda"
     initial = {
         name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
     }
@@ -321,18 +323,6 @@ def test_packed_trainer_ddp_matches_one_process(backend, results):
     for rank_params in results(backend)["trainer"]:
         worst = assert_gradients_close(updates(rank_params, initial), expected)
     print(f"{backend}: worst relative parameter-update error {worst:.2e}")
-
-
-TRAINER_BACKENDS = BACKENDS + [
-    pytest.param(
-        "nccl-fsdp2",
-        id="nccl-fsdp2-2gpu",
-        marks=[
-            pytest.mark.cuda,
-            pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
-        ],
-    ),
-]
 
 
 @pytest.mark.parametrize("backend", TRAINER_BACKENDS)
@@ -347,14 +337,3 @@ def test_packed_sft_trainer_matches_one_process(backend, results):
     for rank_params in results(backend)["sft"]:
         worst = assert_gradients_close(updates(rank_params, initial), expected)
     print(f"{backend}: PackedSFTTrainer worst relative parameter-update error {worst:.2e}")
-
-
-@pytest.mark.parametrize("backend", [p for p in TRAINER_BACKENDS if p.id == "nccl-fsdp2-2gpu"])
-def test_packed_trainer_fsdp2_matches_one_process(backend, results):
-    initial = {
-        name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
-    }
-    expected = updates(single_process_training("cuda"), initial)
-    for rank_params in results(backend)["trainer"]:
-        worst = assert_gradients_close(updates(rank_params, initial), expected)
-    print(f"{backend}: PackedTrainer worst relative parameter-update error {worst:.2e}")
