@@ -149,8 +149,14 @@ def ddp_step(rank: int, device: torch.device) -> dict:
     return {k: v.cpu() for k, v in gradients(model).items()}
 
 
-def full_parameters(model) -> dict:
-    """Every parameter whole and on the CPU (FSDP2 holds each rank's shard as a DTensor)."""
+def full_parameters(model, sharded: bool = False) -> dict:
+    """Every parameter whole and on the CPU (FSDP2 holds each rank's shard as a DTensor).
+
+    With ``sharded``, raises unless the parameters are FSDP2 shards: accelerate ignores the FSDP
+    plugin where it cannot apply it (on CPU, for one), and the test would then pass on DDP.
+    """
+    if sharded and not all(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise AssertionError("FSDP2 was asked for but the model's parameters are not sharded")
     return {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
         for name, p in model.named_parameters()
@@ -187,7 +193,7 @@ def sft_steps(backend: str, out_dir: str, **parallel) -> dict:
         processing_class=tiny_tokenizer(VOCAB),
     )
     trainer.train()
-    return full_parameters(trainer.model)
+    return full_parameters(trainer.model, sharded=bool(parallel))
 
 
 def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
@@ -229,7 +235,7 @@ def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
         data_collator=PackedCollator(),
     )
     trainer.train()
-    return full_parameters(trainer.model)
+    return full_parameters(trainer.model, sharded=bool(parallel))
 
 
 def run_workers(backend: str, out_dir: str, fsdp: bool = False) -> dict[str, list[dict]]:
