@@ -14,7 +14,8 @@ import socket
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from packed_ce_demo import build_model, tiny_config
+from packed_ce_demo import split_rows  # noqa: F401  (re-exported for the tests)
+from packed_ce.integrations import tiny_causal_lm
 
 IGNORE = -100
 
@@ -35,9 +36,7 @@ ARCHITECTURES = {
 def tiny_model(arch: str, vocab_size: int, *, attn: str = "sdpa", seed: int = 0, **overrides):
     """A float32 tiny model of family ``arch`` with random weights fixed by ``seed``."""
     fields = {**ARCHITECTURES[arch], **overrides}
-    return build_model(
-        tiny_config(vocab_size, model_type=arch, attn_implementation=attn, **fields), seed=seed
-    )
+    return tiny_causal_lm(vocab_size, model_type=arch, attn_implementation=attn, seed=seed, **fields)
 
 
 def synthetic_conversations(lengths: list[int], vocab_size: int, seed: int = 0) -> list[dict]:
@@ -76,6 +75,19 @@ def corpus_conversations(count: int = 10) -> tuple[int, list[dict]]:
     """``count`` tokenized conversations of the default corpus, short to long, and the vocab size."""
     vocab_size, rows = _corpus(count)
     return vocab_size, [{"input_ids": list(ids), "labels": list(labels)} for ids, labels in rows]
+
+
+def parameter_updates(model, initial: dict) -> dict[str, torch.Tensor]:
+    """``parameter - initial`` for every parameter: what the optimiser steps did."""
+    return {name: p.detach().cpu() - initial[name] for name, p in model.named_parameters()}
+
+
+def flat_relative_error(actual: dict, expected: dict) -> float:
+    """:func:`relative_error` of all tensors of ``expected`` together, as one vector."""
+    return relative_error(
+        torch.cat([actual[name].reshape(-1) for name in expected]),
+        torch.cat([expected[name].reshape(-1) for name in expected]),
+    )
 
 
 def has_target(conversation: dict) -> bool:
@@ -146,3 +158,84 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# --- trl's SFTTrainer, one optimiser step over a small data set --------------------------------
+
+# Conversation lengths that best-fit-decreasing packs into exactly four full rows of 32 tokens
+# (25+7, 20+12, 18+14, 16+16), so that the number of rows, and with it the batch size of one
+# optimiser step over the whole data set, is known before trl packs them.
+SFT_LENGTHS = [20, 12, 18, 14, 25, 7, 16, 16]
+SFT_ROW_LENGTH = 32
+SFT_LR = 0.5
+
+
+def tiny_tokenizer(vocab_size: int):
+    """A word-level tokenizer over ``t0 .. t{V-1}`` (``t0`` unknown, ``t1`` padding, ``t2`` end):
+    what trl needs next to pre-tokenized data, with no corpus or download."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+        unk_token="t0",
+        pad_token="t1",
+        eos_token="t2",
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def sft_tokenizer():
+    """The offline default tokenizer (ChatML template with generation markers), 3072 tokens."""
+    import collators
+
+    return collators.load_default_tokenizer()
+
+
+def sft_args(output_dir, **overrides):
+    """An ``SFTConfig`` for exact comparisons: float32 (trl's default is bf16), plain steps."""
+    from trl import SFTConfig
+
+    fields = dict(
+        output_dir=str(output_dir),
+        max_steps=1,
+        learning_rate=SFT_LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,  # no clipping: compare raw gradient steps
+        bf16=False,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return SFTConfig(**{**fields, **overrides})
+
+
+def sgd(model, lr: float = SFT_LR):
+    """Plain SGD at a constant rate, as a Trainer's ``optimizers`` pair: the step is the gradient."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def prepared_conversations(dataset) -> list[dict]:
+    """The conversations of a trainer's prepared data set (packed rows split at ``seq_lengths``)."""
+    rows = [dataset[i] for i in range(dataset.num_rows)]
+    if "seq_lengths" in dataset.column_names:
+        return split_rows(rows)
+    return [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
+
+
+def per_conversation_sgd_step(model, conversations: list[dict], lr: float = SFT_LR):
+    """One SGD step of unpacked per-conversation training; returns its loss, ``model`` stepped."""
+    model.zero_grad(set_to_none=True)
+    loss = one_at_a_time(model, conversations)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    return loss.detach()

@@ -1,5 +1,9 @@
 """Data parallelism: two processes give the gradients of one process on the global batch.
 
+Run the GPU tests (two CUDA GPUs, NCCL; DDP and FSDP2 through accelerate) with one command:
+
+    PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider -m cuda -s tests/test_distributed.py
+
 Each process trains on its share of the packed rows with gradient accumulation; the normaliser
 is the number of conversations with a target over every micro-batch of every process
 (``count_num_items`` all-reduces it), and each micro-batch's loss is multiplied by the world
@@ -8,11 +12,15 @@ conversation of the global batch alone through transformers' own loss and averag
 
 On CPU the processes talk through gloo; the ``cuda`` tests run the same workers with NCCL on two
 GPUs. Workers are started with ``torch.multiprocessing.spawn`` and write their results to files.
+The trainers run with the Trainer's own SGD (``optim="sgd"``, constant rate), which FSDP2 can
+shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of pre-tokenized
+conversations.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import pytest
@@ -22,15 +30,19 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import SequentialSampler
 
-from packed_ce_demo import split_rows
 
 from integration_utils import (
+    SFT_LENGTHS,
     assert_gradients_close,
     free_port,
     gradients,
     one_at_a_time,
+    per_conversation_sgd_step,
+    sft_args,
+    split_rows,
     synthetic_conversations,
     tiny_model,
+    tiny_tokenizer,
 )
 
 VOCAB = 96
@@ -39,6 +51,15 @@ ACCUMULATION = 2
 BATCH_ROWS = 2  # packed rows per micro-batch and process
 STEPS = 2  # optimiser steps of the Trainer run
 LR = 0.5
+HAS_TRL = importlib.util.find_spec("trl") is not None
+SFT_BATCH = len(SFT_LENGTHS) // (WORLD * ACCUMULATION)  # one step over the SFT data set
+
+# FSDP2 through accelerate, each decoder layer a shard unit (the legacy string form of `fsdp`
+# is understood by every transformers 5 release)
+FSDP2 = dict(
+    fsdp="full_shard auto_wrap",
+    fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+)
 
 
 def packed_rows(count: int) -> list[dict]:
@@ -66,12 +87,13 @@ def micro_batches(rows: list[dict], rank: int) -> list[list[dict]]:
     return batches[rank::WORLD]
 
 
-def worker(rank: int, port: int, backend: str, out_dir: str) -> None:
-    """Both runs in one pair of processes (starting processes is the slow part of this file).
+def worker(rank: int, port: int, backend: str, out_dir: str, fsdp: bool) -> None:
+    """Every run in one pair of processes (starting processes is the slow part of this file).
 
-    First one accumulated step through plain DDP (this rank's gradients are saved), then STEPS
-    optimiser steps through PackedTrainer (this rank's parameters are saved); accelerate picks
-    up the process group already initialised from the environment.
+    Without ``fsdp``: one accumulated step through plain DDP (this rank's gradients are saved),
+    then STEPS optimiser steps through PackedTrainer and one through PackedSFTTrainer (their
+    parameters are saved). With ``fsdp``: the two trainers under FSDP2. accelerate picks up the
+    process group already initialised from the environment.
     """
     os.environ.update(
         RANK=str(rank),
@@ -89,11 +111,16 @@ def worker(rank: int, port: int, backend: str, out_dir: str) -> None:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
+    parallel = FSDP2 if fsdp else {}
     try:
-        grads = ddp_step(rank, device)
-        torch.save(grads, os.path.join(out_dir, f"ddp-rank{rank}.pt"))
-        params = trainer_steps(backend, out_dir)
+        if not fsdp:
+            grads = ddp_step(rank, device)
+            torch.save(grads, os.path.join(out_dir, f"ddp-rank{rank}.pt"))
+        params = trainer_steps(backend, out_dir, **parallel)
         torch.save(params, os.path.join(out_dir, f"trainer-rank{rank}.pt"))
+        if HAS_TRL:
+            params = sft_steps(backend, out_dir, **parallel)
+            torch.save(params, os.path.join(out_dir, f"sft-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -122,7 +149,54 @@ def ddp_step(rank: int, device: torch.device) -> dict:
     return {k: v.cpu() for k, v in gradients(model).items()}
 
 
-def trainer_steps(backend: str, out_dir: str) -> dict:
+def full_parameters(model, sharded: bool = False) -> dict:
+    """Every parameter whole and on the CPU (FSDP2 holds each rank's shard as a DTensor).
+
+    With ``sharded``, raises unless the parameters are FSDP2 shards: accelerate ignores the FSDP
+    plugin where it cannot apply it (on CPU, for one), and the test would then pass on DDP.
+    """
+    if sharded and not all(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise AssertionError("FSDP2 was asked for but the model's parameters are not sharded")
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        for name, p in model.named_parameters()
+    }
+
+
+def sft_conversations() -> list[dict]:
+    return synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)
+
+
+def sft_steps(backend: str, out_dir: str, **parallel) -> dict:
+    """One optimiser step of PackedSFTTrainer over the SFT data set; returns the parameters."""
+    from datasets import Dataset
+
+    from packed_ce.integrations import PackedSFTTrainer
+
+    model = tiny_model("llama", VOCAB)
+    args = sft_args(
+        out_dir,
+        padding_free=True,
+        max_length=None,
+        per_device_train_batch_size=SFT_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        optim="sgd",
+        use_cpu=backend == "gloo",
+        ddp_backend=backend,
+        ddp_find_unused_parameters=False,
+        **parallel,
+    )
+    trainer = PackedSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(sft_conversations()),
+        processing_class=tiny_tokenizer(VOCAB),
+    )
+    trainer.train()
+    return full_parameters(trainer.model, sharded=bool(parallel))
+
+
+def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
     """STEPS optimiser steps through PackedTrainer; returns the parameters."""
     from transformers import TrainingArguments
 
@@ -136,13 +210,14 @@ def trainer_steps(backend: str, out_dir: str) -> dict:
             )
 
     model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=BATCH_ROWS,
         gradient_accumulation_steps=ACCUMULATION,
         max_steps=STEPS,
+        optim="sgd",
         learning_rate=LR,
+        lr_scheduler_type="constant",
         max_grad_norm=0.0,
         report_to=[],
         save_strategy="no",
@@ -151,24 +226,25 @@ def trainer_steps(backend: str, out_dir: str) -> dict:
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        **parallel,
     )
     trainer = SequentialPackedTrainer(
         model=model,
         args=args,
         train_dataset=packed_rows(STEPS * WORLD * ACCUMULATION * BATCH_ROWS),
         data_collator=PackedCollator(),
-        optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
     )
     trainer.train()
-    return {name: p.detach().cpu() for name, p in model.named_parameters()}
+    return full_parameters(trainer.model, sharded=bool(parallel))
 
 
-def run_workers(backend: str, out_dir: str) -> dict[str, list[dict]]:
-    """Both runs on WORLD processes, once per backend; results by run, one entry per rank."""
-    mp.spawn(worker, args=(free_port(), backend, out_dir), nprocs=WORLD, join=True)
+def run_workers(backend: str, out_dir: str, fsdp: bool = False) -> dict[str, list[dict]]:
+    """Every run on WORLD processes; results by run, one entry per rank."""
+    mp.spawn(worker, args=(free_port(), backend, out_dir, fsdp), nprocs=WORLD, join=True)
+    runs = ("trainer",) + (("sft",) if HAS_TRL else ()) + (() if fsdp else ("ddp",))
     return {
         run: [torch.load(os.path.join(out_dir, f"{run}-rank{rank}.pt")) for rank in range(WORLD)]
-        for run in ("ddp", "trainer")
+        for run in runs
     }
 
 
@@ -196,30 +272,42 @@ def updates(params: dict, initial: dict) -> dict:
     return {name: params[name] - initial[name] for name in initial}
 
 
-BACKENDS = [
-    pytest.param("gloo", id="gloo-cpu"),
-    pytest.param(
-        "nccl",
-        id="nccl-2gpu",
+def on_two_gpus(backend: str):
+    return pytest.param(
+        backend,
+        id=f"{backend}-2gpu",
         marks=[
             pytest.mark.cuda,
             pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
         ],
-    ),
-]
+    )
+
+
+BACKENDS = [pytest.param("gloo", id="gloo-cpu"), on_two_gpus("nccl")]
+TRAINER_BACKENDS = BACKENDS + [on_two_gpus("nccl-fsdp2")]  # the trainers also under FSDP2
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """``results(backend)``: the workers' results, spawned once per backend for both tests."""
+    """``results(backend)``: the workers' results, spawned once per backend for all tests."""
     cache = {}
 
     def get(backend):
         if backend not in cache:
-            cache[backend] = run_workers(backend, str(tmp_path_factory.mktemp(backend)))
+            fsdp = backend == "nccl-fsdp2"
+            cache[backend] = run_workers(
+                "nccl" if fsdp else backend, str(tmp_path_factory.mktemp(backend)), fsdp
+            )
         return cache[backend]
 
     return get
+
+
+def single_process_sft(device="cpu") -> dict:
+    """One SGD step of unpacked per-conversation training on the SFT data set."""
+    model = tiny_model("llama", VOCAB).to(device)
+    per_conversation_sgd_step(model, sft_conversations())
+    return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -231,9 +319,9 @@ def test_ddp_matches_one_process_on_the_global_batch(backend, results):
     print(f"{backend}: worst relative gradient error {worst:.2e}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_packed_trainer_ddp_matches_one_process(backend, results):
-    device = "cuda" if backend == "nccl" else "cpu"
+@pytest.mark.parametrize("backend", TRAINER_BACKENDS)
+def test_packed_trainer_matches_one_process(backend, results):
+    device = "cpu" if backend == "gloo" else "cuda"
     initial = {
         name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
     }
@@ -241,3 +329,17 @@ def test_packed_trainer_ddp_matches_one_process(backend, results):
     for rank_params in results(backend)["trainer"]:
         worst = assert_gradients_close(updates(rank_params, initial), expected)
     print(f"{backend}: worst relative parameter-update error {worst:.2e}")
+
+
+@pytest.mark.parametrize("backend", TRAINER_BACKENDS)
+def test_packed_sft_trainer_matches_one_process(backend, results):
+    """PackedSFTTrainer, padding-free, gradient accumulation 2 on each of two processes."""
+    pytest.importorskip("trl")
+    device = "cpu" if backend == "gloo" else "cuda"
+    initial = {
+        name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
+    }
+    expected = updates(single_process_sft(device), initial)
+    for rank_params in results(backend)["sft"]:
+        worst = assert_gradients_close(updates(rank_params, initial), expected)
+    print(f"{backend}: PackedSFTTrainer worst relative parameter-update error {worst:.2e}")

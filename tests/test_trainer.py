@@ -4,9 +4,10 @@ Three steps with gradient accumulation 2 on packed rows of different sizes, so t
 micro-batches of a step hold different numbers of conversations (a mean of micro-batch means
 would weigh them wrongly). The ground truth is a plain loop: for each step, the conversations of
 its micro-batches one at a time through transformers' own loss, averaged, one SGD step. Packed
-rows (PackedCollator, also with the fused linear forward) and the same conversations padded
-(PaddedCollator) through PackedTrainer must all land on its parameters; the stock Trainer, which
-divides by a token count, must not.
+rows (PackedCollator, also with the fused linear forward and with an all-ones attention_mask)
+and the same conversations padded (PaddedCollator) through PackedTrainer must all land on its
+parameters. (The stock Trainer, which divides by a token count, is refused:
+tests/test_integration_guards.py.)
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils.data import SequentialSampler
-from transformers import Trainer, TrainingArguments
+from transformers import TrainingArguments
 
 from collators import PackedCollator, PaddedCollator, pack_dataset
-from packed_ce_demo import split_rows
 from packed_ce.integrations import PackedTrainer, apply_packed_loss
 
 from integration_utils import (
     assert_loss_close,
     assert_gradients_close,
     one_at_a_time,
-    relative_error,
+    split_rows,
     synthetic_conversations,
     tiny_model,
 )
@@ -46,10 +46,6 @@ class SequentialTrainerMixin:
 
 
 class SequentialPackedTrainer(SequentialTrainerMixin, PackedTrainer):
-    pass
-
-
-class SequentialTrainer(SequentialTrainerMixin, Trainer):
     pass
 
 
@@ -136,10 +132,25 @@ def truth():
     return rows, initial, updates(model, initial), losses
 
 
-@pytest.mark.parametrize("layout", ["packed", "padded", "packed-fused"])
+def packed_rows_with_mask(rows):
+    """Packed rows plus an all-ones attention_mask, which alone would let conversations attend
+    to each other: the packed loss's pre-hook drops it."""
+    batch = PackedCollator()(rows)
+    return {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
+
+
+COLLATORS = {
+    "packed": PackedCollator(),
+    "padded": padded_rows,
+    "packed-fused": PackedCollator(),
+    "packed-attention_mask": packed_rows_with_mask,
+}
+
+
+@pytest.mark.parametrize("layout", list(COLLATORS))
 def test_packed_trainer_matches_unpacked_per_sequence_training(truth, layout, tmp_path):
     rows, initial, expected_updates, expected_losses = truth
-    collator = padded_rows if layout == "padded" else PackedCollator()
+    collator = COLLATORS[layout]
     fused = layout == "packed-fused"  # the loss from the hidden states, no logits
     model, losses = train(SequentialPackedTrainer, rows, collator, tmp_path, fused_linear=fused)
     # the logged loss of a step is the global per-sequence mean
@@ -147,17 +158,6 @@ def test_packed_trainer_matches_unpacked_per_sequence_training(truth, layout, tm
         assert_loss_close(torch.tensor(actual), torch.tensor(expected))
     worst = assert_gradients_close(updates(model, initial), expected_updates)
     print(f"{layout}: worst relative parameter-update error {worst:.2e}")
-
-
-def test_stock_trainer_count_is_wrong_for_packed_loss(truth, tmp_path):
-    """The stock Trainer divides the per-sequence sums by a token count: a different step."""
-    rows, initial, expected_updates, _ = truth
-    model, _ = train(SequentialTrainer, rows, PackedCollator(), tmp_path)
-    errors = [
-        relative_error(updates(model, initial)[n], expected_updates[n]) for n in expected_updates
-    ]
-    print(f"stock Trainer: parameter updates off by {min(errors):.0%} to {max(errors):.0%}")
-    assert min(errors) > 0.1
 
 
 def test_packed_trainer_keeps_seq_lengths_column(truth, tmp_path):

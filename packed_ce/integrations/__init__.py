@@ -2,15 +2,24 @@
 
 - :func:`apply_packed_loss` / :func:`remove_packed_loss`: a transformers causal LM returns the
   packing-aware loss from ``model(**batch)``, optionally through the fused linear cross entropy;
+  packed batches stay exact whatever the call (no KV cache, no all-ones ``attention_mask``), and
+  a trainer that would normalise it by a token count is refused;
 - :class:`PackedTrainer`: the transformers Trainer, exact with gradient accumulation and data
-  parallelism (imported on first use: ``transformers.Trainer`` takes seconds to import);
-- :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops.
+  parallelism; :class:`PackedSFTTrainer`: the same for trl's SFTTrainer (both imported on first
+  use: ``transformers.Trainer`` and ``trl`` take seconds to import; trl is the ``packed-ce[trl]``
+  extra);
+- :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops;
+- :func:`token_statistics`: entropy and top-1 accuracy sums of the targets, for logging;
+- :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """
 
+from .tiny import tiny_causal_lm
+from .token_stats import token_statistics
 from .transformers import (
     PackedCausalLMLoss,
     apply_packed_loss,
     count_num_items,
+    next_token_targets,
     packed_loss_of,
     remove_packed_loss,
     sequence_boundaries,
@@ -18,12 +27,16 @@ from .transformers import (
 
 __all__ = [
     "PackedCausalLMLoss",
+    "PackedSFTTrainer",
     "PackedTrainer",
     "apply_packed_loss",
     "count_num_items",
+    "next_token_targets",
     "packed_loss_of",
     "remove_packed_loss",
     "sequence_boundaries",
+    "tiny_causal_lm",
+    "token_statistics",
 ]
 
 
@@ -32,4 +45,8 @@ def __getattr__(name: str):
         from .trainer import PackedTrainer
 
         return PackedTrainer
+    if name == "PackedSFTTrainer":
+        from .sft_trainer import PackedSFTTrainer
+
+        return PackedSFTTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

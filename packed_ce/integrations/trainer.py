@@ -25,21 +25,79 @@ from transformers import Trainer
 from .transformers import count_num_items, packed_loss_of
 
 
-class PackedTrainer(Trainer):
-    """A ``transformers.Trainer`` for models given to :func:`apply_packed_loss`.
-
-    Differences from ``Trainer``:
+class PackedNormaliserMixin:
+    """What both packed trainers change in ``transformers.Trainer``: the normaliser of a step.
 
     - ``num_items_in_batch`` is the number of sequences with at least one target (with
-      ``is_packed=True``; the number of targets with ``is_packed=False``) over all micro-batches of
-      the optimiser step and all processes, so gradient accumulation and data parallelism give the
-      gradient of one per-sequence average over the whole global batch;
-    - the ``seq_lengths`` column of packed rows (:func:`collators.pack_dataset`) is kept for the
-      collator when ``remove_unused_columns=True``: without it a packed row would be collated as
-      one sequence.
+      ``is_packed=True``; the number of targets with ``is_packed=False``) over all micro-batches
+      of the optimiser step and all processes;
+    - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``:
+      without it a packed row would be collated as one sequence;
+    - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
+      trainer may call a model with the packed loss: any other ``Trainer`` is refused.
+    """
 
-    Supported: one process or data parallelism over processes (DDP, through ``torchrun`` or
-    ``accelerate launch``) with any gradient accumulation. Not supported: ``nn.DataParallel``
+    counts_packed_items = True
+
+    def _check_packed_setup(self) -> None:
+        """Raises for a model or a set-up with which the step would not be the packed mean."""
+        if packed_loss_of(self.model) is None:
+            raise ValueError(
+                f"{type(self).__name__} needs a model with the packed loss: call "
+                "packed_ce.integrations.apply_packed_loss(model) before creating the trainer"
+            )
+        if not self.model_accepts_loss_kwargs:
+            raise ValueError(
+                f"{type(self.model).__name__}.forward takes no **kwargs, so the trainer could not "
+                "pass num_items_in_batch to the packed loss"
+            )
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not support several GPUs in one process "
+                "(nn.DataParallel); launch one process per GPU (torchrun or accelerate launch)"
+            )
+        if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
+            raise ValueError(
+                f"{type(self).__name__} over several processes needs "
+                "average_tokens_across_devices=True: the loss is then multiplied by the number of "
+                "processes, which cancels the data-parallel gradient averaging of a loss "
+                "normalised over all processes"
+            )
+
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        if "seq_lengths" not in self._signature_columns:
+            self._signature_columns.append("seq_lengths")
+
+    def _get_num_items_in_batch(
+        self, batch_samples: list, device: torch.device
+    ) -> torch.Tensor | None:
+        """Sequences with a target (or targets) over ``batch_samples`` and all processes."""
+        if not batch_samples or "labels" not in batch_samples[0]:
+            return None
+        loss = packed_loss_of(self.model)
+        count = count_num_items(
+            batch_samples,
+            is_packed=loss.is_packed,
+            ignore_index=loss.ignore_index,
+            all_reduce=False,
+        ).to(device)
+        if self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return count
+
+
+class PackedTrainer(PackedNormaliserMixin, Trainer):
+    """A ``transformers.Trainer`` for models given to :func:`apply_packed_loss`.
+
+    Differences from ``Trainer`` (see :class:`PackedNormaliserMixin`): ``num_items_in_batch``
+    counts the sequences with a target over all micro-batches of the optimiser step and all
+    processes, so gradient accumulation and data parallelism give the gradient of one
+    per-sequence average over the whole global batch; the ``seq_lengths`` column of packed rows
+    (:func:`collators.pack_dataset`) is kept for the collator.
+
+    Supported: one process or data parallelism over processes (DDP or FSDP2, through ``torchrun``
+    or ``accelerate launch``) with any gradient accumulation. Not supported: ``nn.DataParallel``
     (several GPUs in one process), tensor, context or sequence parallelism.
 
     Raises:
@@ -64,46 +122,4 @@ class PackedTrainer(Trainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if packed_loss_of(self.model) is None:
-            raise ValueError(
-                "PackedTrainer needs a model with the packed loss: call "
-                "packed_ce.integrations.apply_packed_loss(model) before creating the trainer"
-            )
-        if not self.model_accepts_loss_kwargs:
-            raise ValueError(
-                f"{type(self.model).__name__}.forward takes no **kwargs, so the Trainer would not "
-                "pass num_items_in_batch to the packed loss"
-            )
-        if self.args.n_gpu > 1:
-            raise ValueError(
-                "PackedTrainer does not support several GPUs in one process (nn.DataParallel); "
-                "launch one process per GPU (torchrun or accelerate launch)"
-            )
-        if self.args.world_size > 1 and not self.args.average_tokens_across_devices:
-            raise ValueError(
-                "PackedTrainer over several processes needs average_tokens_across_devices=True: "
-                "the Trainer then multiplies each loss by the number of processes, which cancels "
-                "the data-parallel gradient averaging of a loss normalised over all processes"
-            )
-
-    def _set_signature_columns_if_needed(self) -> None:
-        super()._set_signature_columns_if_needed()
-        if "seq_lengths" not in self._signature_columns:
-            self._signature_columns.append("seq_lengths")
-
-    def _get_num_items_in_batch(
-        self, batch_samples: list, device: torch.device
-    ) -> torch.Tensor | None:
-        """Sequences with a target (or targets) over ``batch_samples`` and all processes."""
-        if not batch_samples or "labels" not in batch_samples[0]:
-            return None
-        loss = packed_loss_of(self.model)
-        count = count_num_items(
-            batch_samples,
-            is_packed=loss.is_packed,
-            ignore_index=loss.ignore_index,
-            all_reduce=False,
-        ).to(device)
-        if self.args.world_size > 1:
-            count = self.accelerator.gather(count).sum()
-        return count
+        self._check_packed_setup()

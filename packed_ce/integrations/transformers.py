@@ -26,6 +26,7 @@ Nothing here imports ``datasets``.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,6 +36,7 @@ from torch import nn
 
 from ..cross_entropy import cross_entropy
 from ..targets import prepare_targets, sequence_ids
+from .token_stats import token_statistics
 
 # The forward pre-hook passes the model's ``position_ids`` to the loss under this keyword; like any
 # extra keyword it also reaches the attention functions, which ignore keywords they do not know.
@@ -46,6 +48,9 @@ _UNFUSABLE_CONFIG_FIELDS = {
     "logit_scale": "the logits are multiplied by config.logit_scale",
     "logits_scaling": "the logits are divided by config.logits_scaling",
 }
+
+# With this keyword set, the fused forward also returns token_statistics(...) under it.
+TOKEN_STATS_KEY = "packed_ce_token_stats"
 
 _MISSING = object()
 
@@ -72,6 +77,43 @@ def sequence_boundaries(labels: torch.Tensor, batch: Mapping[str, Any]) -> dict[
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0
     return {"cu_seqlens": torch.arange(rows + 1, device=labels.device) * row_length}
+
+
+def next_token_targets(
+    labels: torch.Tensor,
+    batch: Mapping[str, Any],
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The target of every token: the next label of its sequence, as the loss scores it.
+
+    Args:
+        labels: ``(B, T)`` or ``(N,)`` labels aligned with ``input_ids``.
+        batch: the batch (or the model's keywords), read for the boundaries as
+            :func:`sequence_boundaries` does.
+        ignore_index: label value that is not a target.
+        shift_labels: labels already shifted (the target of each token, used as they are), or
+            None.
+
+    Returns:
+        ``(N,)`` int64: ``labels[t + 1]`` when ``t + 1`` is in the sequence of ``t``, else
+        ``ignore_index``.
+
+    Example:
+        >>> labels = torch.tensor([[-100, 5, 6, -100, 7]])
+        >>> next_token_targets(labels, {"cu_seqlens": torch.tensor([0, 3, 5])})
+        tensor([   5,    6, -100,    7, -100])
+    """
+    shift = shift_labels is None
+    labels = labels if shift else shift_labels
+    prepared = prepare_targets(
+        labels,
+        shift=shift,
+        ignore_index=ignore_index,
+        reduction="none",
+        **sequence_boundaries(labels, batch),
+    )
+    return prepared.targets
 
 
 class PackedCausalLMLoss:
@@ -203,17 +245,119 @@ class _Installation:
     previous_forward: Any
 
 
-def _position_ids_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Hands ``position_ids`` to the loss when a batch has no ``cu_seqlens``.
+def _packed_batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    """Keeps every call of a model with the packed loss on the packed objective, or refuses it.
 
-    A causal LM's forward consumes ``position_ids`` and does not pass them to its loss function;
-    the loss then gets them from this extra keyword.
+    - ``fused_lm_head=True`` (trl's ``SFTTrainer``) computes trl's own token mean and never calls
+      the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
+    - A training call from a ``transformers.Trainer`` that does not count the packed normaliser
+      (the stock ``Trainer`` divides the per-sequence sums by a token count): refused,
+      :class:`PackedTrainer` is the fix.
+    - A packed batch (see :func:`_exact_packed_call`) runs without a KV cache and without an
+      all-ones ``attention_mask``, either of which would make its sequences attend to each other.
+    - ``position_ids`` are handed to the loss when the batch has no ``cu_seqlens``: a causal LM's
+      forward consumes them and does not pass them on.
     """
-    if kwargs.get("labels") is None or kwargs.get("position_ids") is None:
-        return None
-    if kwargs.get("cu_seqlens") is not None or kwargs.get("cu_seq_lens_q") is not None:
-        return None
-    return args, {**kwargs, POSITION_IDS_KEY: kwargs["position_ids"]}
+    if kwargs.get("fused_lm_head"):
+        raise ValueError(
+            "this model has the packed loss (apply_packed_loss), but trl's fused_lm_head=True "
+            "computes trl's own token mean and never calls it: train with "
+            "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
+        )
+    if module.training and kwargs.get("labels") is not None:
+        _refuse_token_count_trainer()
+    kwargs = _exact_packed_call(args, kwargs)
+    if kwargs.get("labels") is not None and kwargs.get("position_ids") is not None:
+        if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is None:
+            kwargs[POSITION_IDS_KEY] = kwargs["position_ids"]
+    return args, kwargs
+
+
+def _refuse_token_count_trainer() -> None:
+    """Raises when the calling ``transformers.Trainer`` would normalise by a token count.
+
+    The Trainer calls the model from ``compute_loss``; the frames above this one are walked to
+    find it (a few dozen frames at most, only for training calls with labels). The packed
+    trainers carry ``counts_packed_items = True``.
+    """
+    if "transformers.trainer" not in sys.modules:
+        return
+    trainer_class = sys.modules["transformers.trainer"].Trainer
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "compute_loss":
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, trainer_class):
+                if getattr(trainer, "counts_packed_items", False):
+                    return
+                raise ValueError(
+                    f"this model has the packed loss (apply_packed_loss), but "
+                    f"{type(trainer).__name__} normalises each micro-batch by a token count, so it "
+                    "would train on another objective (per-sequence sums over tokens): use "
+                    "packed_ce.integrations.PackedTrainer (or PackedSFTTrainer for trl)"
+                )
+        frame = frame.f_back
+
+
+def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
+    """The keywords of a packed call, changed so that no sequence attends to another.
+
+    A batch is packed when it has ``cu_seqlens`` or ``cu_seq_lens_q`` with a boundary inside a
+    row, or ``labels`` and ``position_ids`` that restart inside a row. transformers builds the
+    block-diagonal mask of such a row from ``position_ids`` only without an ``attention_mask``
+    and without a KV cache; otherwise every token attends to every earlier token of its row
+    (a relative loss error of about 2e-3 on Llama and Qwen2, sdpa and eager). So:
+
+    - the cache is turned off (a training or scoring call never reads it back);
+    - an ``attention_mask`` of ones, which says nothing, is dropped;
+    - an ``attention_mask`` that masks tokens, or a ``past_key_values`` passed in, cannot be
+      made exact: ValueError.
+
+    Deciding whether boundaries lie inside rows reads them (one host sync), and only happens
+    when an ``attention_mask`` or ``past_key_values`` is passed with them.
+    """
+    boundaries = kwargs.get("cu_seqlens")
+    if boundaries is None:
+        boundaries = kwargs.get("cu_seq_lens_q")
+    positions = kwargs.get("position_ids") if kwargs.get("labels") is not None else None
+    if boundaries is None and positions is None:
+        return kwargs
+    kwargs = {**kwargs, "use_cache": False}
+    mask = kwargs.get("attention_mask")
+    if mask is None and kwargs.get("past_key_values") is None:
+        return kwargs
+    if not _restarts_inside_rows(args, kwargs, boundaries, positions):
+        return kwargs
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            "past_key_values cannot be used with a packed batch (sequence boundaries inside a "
+            "row): the cached keys would be attended across sequences"
+        )
+    if not bool(mask.all()):
+        raise ValueError(
+            "a packed batch (sequence boundaries inside a row) cannot have an attention_mask that "
+            "masks tokens: transformers then ignores the boundaries and lets sequences attend to "
+            "each other. Leave attention_mask out and make padding a sequence of its own "
+            "(collators.PackedCollator(pad_to_multiple_of=...) does)"
+        )
+    del kwargs["attention_mask"]
+    return kwargs
+
+
+def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
+    """True if a sequence of the batch starts anywhere but at the start of a row."""
+    if boundaries is not None:
+        tokens = kwargs.get("input_ids")
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if tokens is None and args:
+            tokens = args[0]
+        width = tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None
+        if width is None:
+            return True
+        return bool((boundaries.to(torch.int64) % width != 0).any())
+    positions = positions.reshape(-1, positions.shape[-1])
+    return bool((positions[:, 1:] != positions[:, :-1] + 1).any())
 
 
 def _check_fusable(model: nn.Module) -> None:
@@ -248,8 +392,10 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
     In training mode with ``labels`` (passed by keyword) the decoder runs as in the model's own
     forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
     hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
-    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. Every other call
-    runs the model's own forward. Everything is looked up on ``model`` at call time, so a copy
+    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keyword
+    ``packed_ce_token_stats=True`` it also carries, under that key, :func:`token_statistics` of
+    the targets (the logged metrics of :class:`PackedSFTTrainer`). Every other call runs the
+    model's own forward. Everything is looked up on ``model`` at call time, so a copy
     of the model (``copy.deepcopy``) uses its own modules.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -257,10 +403,11 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
     from ..fused_linear import fused_linear_cross_entropy
 
     installation = model._packed_ce
+    kwargs = dict(kwargs)
+    want_stats = kwargs.pop(TOKEN_STATS_KEY, False)
     labels = kwargs.get("labels")
     if args or labels is None or not model.training:
         return _own_forward(model, installation)(*args, **kwargs)
-    kwargs = dict(kwargs)
     del kwargs["labels"]
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
@@ -271,12 +418,13 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
     targets, keywords = installation.loss.loss_keywords(
         labels, hidden.device, shift_labels, kwargs.get("num_items_in_batch"), kwargs
     )
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     loss = fused_linear_cross_entropy(
         hidden,
         head.weight,
         targets,
         bias=head.bias,
-        softcap=getattr(model.config, "final_logit_softcapping", None),
+        softcap=softcap,
         **keywords,
         **installation.fused_options,
     )
@@ -287,6 +435,16 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
+    if want_stats:
+        # here, inside the forward, the head's weight is whole even under FSDP
+        result[TOKEN_STATS_KEY] = token_statistics(
+            next_token_targets(labels, kwargs, installation.loss.ignore_index, shift_labels),
+            hidden=hidden.detach(),
+            weight=head.weight.detach(),
+            bias=None if head.bias is None else head.bias.detach(),
+            softcap=softcap,
+            ignore_index=installation.loss.ignore_index,
+        )
     return result if return_dict is not False else result.to_tuple()
 
 
@@ -368,7 +526,7 @@ def apply_packed_loss(
         )
     installation = _Installation(
         loss=loss,
-        hook=model.register_forward_pre_hook(_position_ids_pre_hook, with_kwargs=True),
+        hook=model.register_forward_pre_hook(_packed_batch_pre_hook, with_kwargs=True),
         previous_loss_function=model.__dict__.get("_loss_function", _MISSING),
         fused_options=dict(fused_linear_options or {}) if fused_linear else None,
         forward=_make_fused_forward(model) if fused_linear else None,
@@ -419,9 +577,13 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
 
 def packed_loss_of(model: nn.Module) -> PackedCausalLMLoss | None:
     """The :class:`PackedCausalLMLoss` installed on ``model`` (unwrapped from DDP), or None."""
-    inner = getattr(model, "module", model)
-    installation = getattr(inner, "_packed_ce", None)
+    installation = installation_of(model)
     return None if installation is None else installation.loss
+
+
+def installation_of(model: nn.Module) -> _Installation | None:
+    """What :func:`apply_packed_loss` installed on ``model`` (unwrapped from DDP), or None."""
+    return getattr(getattr(model, "module", model), "_packed_ce", None)
 
 
 def count_num_items(
@@ -481,17 +643,13 @@ def count_num_items(
 
 def _count_items(batch: Mapping[str, Any], *, is_packed: bool, shift: bool, ignore_index: int):
     """Targets (or sequences with a target) of one batch, as a 0-d int64 tensor."""
-    labels = batch.get("shift_labels")
-    if labels is None:
-        labels = batch["labels"]
-    else:
-        shift = False
+    shift_labels = batch.get("shift_labels")
+    if shift_labels is None and not shift:
+        shift_labels = batch["labels"]
+    labels = batch["labels"] if shift_labels is None else shift_labels
     boundaries = sequence_boundaries(labels, batch)
     # The same targets as the loss: shifted inside sequences, never across a boundary.
-    prepared = prepare_targets(
-        labels, shift=shift, ignore_index=ignore_index, reduction="none", **boundaries
-    )
-    has_target = prepared.targets != ignore_index
+    has_target = next_token_targets(labels, batch, ignore_index, shift_labels) != ignore_index
     if not is_packed:
         return has_target.sum()
     seq, num_slots = sequence_ids(

@@ -1,0 +1,164 @@
+"""No silent wrong set-up: each way of running the packed loss on another objective is refused,
+and a packed batch stays exact whatever the model call.
+
+- a model with the packed loss under the stock ``Trainer`` (a token-count normaliser), under
+  trl's ``SFTTrainer`` (its fused head never calls the loss), and under a class mixing
+  ``PackedTrainer`` with ``SFTTrainer``: ValueError naming the trainer to use;
+- a packed batch with the model's default ``use_cache=True``, an explicit ``use_cache=True`` or
+  an all-ones ``attention_mask``: the loss of every conversation alone (the same calls without
+  the packed loss's pre-hook let conversations attend to each other, shown by the test);
+- a packed batch with an ``attention_mask`` that masks tokens, or with ``past_key_values``:
+  ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+import packed_ce
+from collators import PackedCollator
+from packed_ce.integrations import PackedTrainer, apply_packed_loss, remove_packed_loss
+
+from integration_utils import (
+    assert_loss_close,
+    one_at_a_time,
+    relative_error,
+    synthetic_conversations,
+    tiny_model,
+)
+
+VOCAB = 96
+LENGTHS = [9, 14, 5, 11]  # one packed row of four conversations
+
+
+def conversations():
+    return synthetic_conversations(LENGTHS, VOCAB, seed=5)
+
+
+def packed_batch() -> dict:
+    return PackedCollator()([{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations()])
+
+
+def training_args(tmp_path, **overrides):
+    fields = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_stock_trainer_with_the_packed_loss_is_refused(accumulation, tmp_path):
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, gradient_accumulation_steps=accumulation),
+        train_dataset=conversations(),
+        data_collator=PackedCollator(),
+    )
+    with pytest.raises(ValueError, match="use packed_ce.integrations.PackedTrainer"):
+        trainer.train()
+
+
+def sft_trainer(trainer_class, model, tmp_path):
+    from datasets import Dataset
+
+    from integration_utils import sft_args, sft_tokenizer
+
+    return trainer_class(
+        model=model,
+        args=sft_args(tmp_path, padding_free=True, max_length=None, per_device_train_batch_size=2),
+        train_dataset=Dataset.from_list(synthetic_conversations(LENGTHS, 3072, seed=5)),
+        processing_class=sft_tokenizer(),
+    )
+
+
+def test_stock_sft_trainer_with_the_packed_loss_is_refused(tmp_path):
+    trl = pytest.importorskip("trl")
+    model = apply_packed_loss(tiny_model("llama", 3072))
+    trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
+    with pytest.raises(ValueError, match="PackedSFTTrainer instead of trl.SFTTrainer"):
+        trainer.train()
+
+
+def test_packed_trainer_mixed_with_sft_trainer_is_refused(tmp_path):
+    """The MRO runs SFTTrainer.compute_loss: trl's fused head, a token sum over conversations."""
+    trl = pytest.importorskip("trl")
+
+    class Mixed(PackedTrainer, trl.SFTTrainer):
+        pass
+
+    model = apply_packed_loss(tiny_model("llama", 3072))
+    trainer = sft_trainer(Mixed, model, tmp_path)
+    with pytest.raises(ValueError, match="PackedSFTTrainer"):
+        trainer.train()
+
+
+# How a packed batch can reach the model with attention across conversations.
+CALLS = {
+    "config-use_cache": {},  # every released config has use_cache=True
+    "use_cache=True": {"use_cache": True},
+    "all-ones-attention_mask": {"attention_mask": "ones"},
+}
+
+
+@pytest.mark.parametrize("boundaries", ["cu_seqlens", "position_ids"])
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_packed_batch_is_exact_whatever_the_call(arch, attn, call, boundaries):
+    model = tiny_model(arch, VOCAB, attn=attn)
+    assert model.config.use_cache
+    batch = packed_batch()
+    if boundaries == "position_ids":  # trl's padding-free layout without cu_seqlens
+        batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    extra = dict(CALLS[call])
+    if extra.get("attention_mask") == "ones":
+        extra["attention_mask"] = torch.ones_like(batch["input_ids"])
+    with torch.no_grad():
+        expected = one_at_a_time(model, conversations())
+        # without the pre-hook: the packed loss on the logits of the same call attends across
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}, **extra).logits
+        crossed = packed_ce.cross_entropy(
+            logits, batch["labels"], position_ids=batch["position_ids"], is_packed=True, shift=True
+        )
+        apply_packed_loss(model)
+        loss = model(**batch, **extra).loss
+        remove_packed_loss(model)
+    assert_loss_close(loss, expected)
+    assert relative_error(crossed, expected) > 1e-4  # the hazard is real in this set-up
+
+
+def test_packed_batch_with_a_masking_attention_mask_is_refused():
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    batch = packed_batch()
+    mask = torch.ones_like(batch["input_ids"])
+    mask[0, -2:] = 0
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(**batch, attention_mask=mask)
+
+
+def test_packed_batch_with_past_key_values_is_refused():
+    from transformers import DynamicCache
+
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    with pytest.raises(ValueError, match="past_key_values"):
+        model(**packed_batch(), past_key_values=DynamicCache(config=model.config))
+
+
+def test_padded_batch_keeps_its_attention_mask():
+    """One conversation per row (boundaries at row starts): the mask is needed and kept."""
+    from collators import PaddedCollator
+
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    with torch.no_grad():
+        loss = model(**PaddedCollator()(conversations())).loss
+        assert_loss_close(loss, one_at_a_time(model, conversations()))
