@@ -1,13 +1,18 @@
-"""Markdown tables from the benchmark results (``benchmarks/results/*.json``).
+"""The one table writer: markdown tables from the benchmark results (``results/*.json``).
 
-The benchmark prints :func:`report` of its own result; the README's performance section is
-:func:`readme_section` of the stored results::
+Each benchmark prints its ``*_report`` of its own result; ``benchmarks/README.md`` holds
+:func:`readme_section` of the stored results between its ``bench:start`` / ``bench:end``
+markers::
 
-    python benchmarks/make_tables.py                       # print the README section
-    python benchmarks/make_tables.py --readme README.md    # replace it between the markers
+    python benchmarks/make_tables.py                # rewrite the tables in benchmarks/README.md
+    python benchmarks/make_tables.py --print-only   # print them
 
-Every time is set against the floor: reading the logits once and writing the gradient once
-(``floor_bytes``) at the device-to-device copy rate measured in the same run.
+Cross entropy: every time is set against the floor, reading the logits once and writing the
+gradient once (``floor_bytes``), at the device-to-device copy rate measured in the same run.
+Fused linear: against ``6 N H V`` FLOPs at the bf16 matmul rate measured in the same run.
+Training: whole SFT steps; see ``bench_training.py``.
+
+Only the standard library is imported here: rendering needs no GPU, torch or packed_ce.
 """
 
 from __future__ import annotations
@@ -16,15 +21,29 @@ import argparse
 import json
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+MiB = 2**20
 TARGET_FRACTION = 0.85  # of the copy rate, for packed_ce forward+backward
-OVERHEAD_TARGET = 0.03  # is_packed=True over is_packed=False
-SWEEP_COLUMNS = (  # (row key, column title) of the sweep table
+OVERHEAD_TARGET = 0.03  # is_packed=True over is_packed=False; the defaults over validate=False
+SWEEP_COLUMNS = (  # (row key, column title) of the cross-entropy sweep table
     ("ours_packed", "packed_ce packed"),
     ("ours_unpacked", "packed_ce unpacked"),
     ("compile_fp32", "torch.compile"),
     ("liger", "Liger-Kernel"),
+)
+# The fused-linear targets at the headline: time against torch.compile, memory against
+# cut-cross-entropy (as installed), and faster than Liger-Kernel.
+FUSED_TIME_TARGET = 0.95
+FUSED_MEMORY_TARGET = 1.25
+FUSED_SWEEP_COLUMNS = (
+    ("ours", "packed_ce fused"),
+    ("ours_drop", "packed_ce, drop_ignored_rows"),
+    ("compile_fp32", "torch.compile"),
+    ("liger", "Liger-Kernel"),
+    ("cce", "cut-cross-entropy"),
 )
 
 
@@ -52,17 +71,20 @@ def _memory_cell(row: dict) -> str:
     return f"{row['extra_bytes'] / 2**30:.2f} GiB ({row['extra_grad_buffers']:.2f} x grad)"
 
 
-def ceilings_line(result: dict) -> str:
+def _versions(env: dict) -> str:
+    return ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
+
+
+def cross_entropy_ceilings(result: dict) -> str:
     env, ceilings = result["environment"], result["ceilings"]
-    versions = ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
     return (
-        f"{env['device_name']} ({versions}; packed_ce kernel {result['kernel_sha256']}): "
+        f"{env['device_name']} ({_versions(env)}; packed_ce kernel {result['kernel_sha256']}): "
         f"device-to-device copy {ceilings['copy']['gbps']:.0f} GB/s counting read + write, "
         f"bf16 {ceilings['matmul']['n']}^3 matmul {ceilings['matmul']['tflops']:.0f} TFLOP/s."
     )
 
 
-def headline_table(result: dict) -> str:
+def cross_entropy_headline(result: dict) -> str:
     head = result["headline"]
     p = head["problem"]
     floor = head["floor_ms"]
@@ -70,10 +92,10 @@ def headline_table(result: dict) -> str:
         f"Forward+backward, N={p['n']}, V={p['vocab']}, {p['dtype']}, {p['sequences']} packed "
         f"sequences, {100 * p['ignored_fraction']:.0f}% of tokens without a target. Floor "
         f"{p['floor_bytes'] / 1e9:.2f} GB = {floor:.3f} ms at the copy rate; the target "
-        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. packed_ce rows "
-        "use validate=False unless marked; extra memory is in (N, V) gradient buffers; host ms "
-        "is how long the step holds the host (enqueuing, and any sync inside): a step whose "
-        "host time exceeds its device time cannot keep the GPU busy on its own.",
+        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. Each row names "
+        "packed_ce's options; extra memory is in (N, V) gradient buffers; host ms is how long "
+        "the step holds the host (enqueuing, and any sync inside): a step whose host time "
+        "exceeds its device time cannot keep the GPU busy on its own.",
         "",
         "| variant | median ms | p20-p80 ms | GB/s | % of copy | extra memory | host ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -90,8 +112,17 @@ def headline_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def headline_summary(result: dict) -> str:
-    """The issue's targets at the headline shape, each met or missed."""
+def _overhead_line(overhead: dict, what: str) -> str:
+    return (
+        f"- {what}: {100 * overhead['overhead']:+.1f}% (per-rep pairs: median "
+        f"{100 * overhead['pair_median']:+.1f}%, p20-p80 {100 * overhead['pair_p20']:+.1f}%.."
+        f"{100 * overhead['pair_p80']:+.1f}%; target <= {100 * OVERHEAD_TARGET:.0f}%): "
+        f"{_met(overhead['overhead'] <= OVERHEAD_TARGET)}"
+    )
+
+
+def cross_entropy_targets(result: dict) -> str:
+    """The targets at the headline shape, each met or missed; rows named by their labels."""
     head = result["headline"]
     rows = {row["key"]: row for row in head["rows"]}
     lines = []
@@ -99,20 +130,16 @@ def headline_summary(result: dict) -> str:
     if ours.get("status") == "ok":
         fraction = ours["fraction_of_copy"]
         lines.append(
-            f"- packed_ce is_packed=True: {ours['median_ms']:.3f} ms = {100 * fraction:.1f}% of "
-            f"the copy rate (target >= {100 * TARGET_FRACTION:.0f}%): "
-            f"{_met(fraction >= TARGET_FRACTION)}"
+            f"- {ours['label']}: {ours['median_ms']:.3f} ms = {100 * fraction:.1f}% of the copy "
+            f"rate (target >= {100 * TARGET_FRACTION:.0f}%): {_met(fraction >= TARGET_FRACTION)}"
         )
-    for key, name in (("packed_overhead", ""), ("packed_overhead_inplace", ", inplace_backward")):
-        overhead = head.get(key)
-        if overhead is not None:
-            lines.append(
-                f"- is_packed=True over is_packed=False{name}: {100 * overhead['overhead']:+.1f}% "
-                f"(per-rep pairs: median {100 * overhead['pair_median']:+.1f}%, p20-p80 "
-                f"{100 * overhead['pair_p20']:+.1f}%..{100 * overhead['pair_p80']:+.1f}%; "
-                f"target <= {100 * OVERHEAD_TARGET:.0f}%): "
-                f"{_met(overhead['overhead'] <= OVERHEAD_TARGET)}"
-            )
+    for key, what in (
+        ("validate_overhead", "the defaults (validate=True) over validate=False"),
+        ("packed_overhead", "is_packed=True over is_packed=False"),
+        ("packed_overhead_inplace", "is_packed=True over is_packed=False, inplace_backward"),
+    ):
+        if head.get(key) is not None:
+            lines.append(_overhead_line(head[key], what))
     # inplace_backward=True: no (N, V) buffer at all; False: the gradient itself, no more.
     for key, limit, wanted in (
         ("ours_packed_inplace", 0.5, "no extra (N, V) buffer"),
@@ -134,7 +161,7 @@ def headline_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(result: dict) -> str:
+def cross_entropy_sweep(result: dict) -> str:
     sweep = result["sweep"]
     copy_gbps = result["ceilings"]["copy"]["gbps"]
     shapes: dict[tuple, dict] = {}
@@ -172,7 +199,7 @@ def sweep_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def configs_table(result: dict) -> str:
+def cross_entropy_configs(result: dict) -> str:
     configs = result["configs"]
     p = configs["problem"]
     ok = [row for row in configs["rows"] if row["status"] == "ok"]
@@ -195,15 +222,134 @@ def configs_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def report(result: dict) -> str:
+def cross_entropy_report(result: dict) -> str:
     """Everything one run measured, the headline table last."""
-    parts = [f"## cross entropy benchmark ({result['mode']})", ceilings_line(result)]
+    parts = [f"## cross entropy benchmark ({result['mode']})", cross_entropy_ceilings(result)]
     if "configs" in result:
-        parts.append(configs_table(result))
+        parts.append(cross_entropy_configs(result))
     if "sweep" in result:
-        parts.append(sweep_table(result))
+        parts.append(cross_entropy_sweep(result))
     if "headline" in result:
-        parts += [headline_summary(result), headline_table(result)]
+        parts += [cross_entropy_targets(result), cross_entropy_headline(result)]
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused linear cross entropy
+
+
+def _mib(row: dict) -> str:
+    return f"{row['transient_bytes'] / MiB:.0f}" if "transient_bytes" in row else "-"
+
+
+def fused_linear_headline(result: dict) -> str:
+    head = result["headline"]
+    p, rows = head["problem"], head["rows"]
+    by_key = {row["key"]: row for row in rows}
+    compiled, cce = by_key.get("compile_fp32", {}), by_key.get("cce", {})
+    lines = [
+        f"Forward+backward, N={p['n']}, H={p['hidden']}, V={p['vocab']}, {p['dtype']}, "
+        f"{p['sequences']} packed sequences, {100 * p['ignored_fraction']:.0f}% of tokens without "
+        f"a target. Floor: 6NHV = {p['flops'] / 1e12:.1f} TFLOP at the measured matmul rate = "
+        f"{head['floor_ms']:.1f} ms. Transient memory excludes the inputs and the gradients of "
+        "hidden and weight.",
+        "",
+        "| variant | median ms | p20-p80 ms | % of floor | vs torch.compile | transient MiB | "
+        "vs cut-cross-entropy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| {row['label']} | {row['status']}: {row.get('reason', '')} | | | | | |")
+            continue
+        speed = memory = "-"
+        if compiled.get("status") == "ok":
+            speed = f"{row['median_ms'] / compiled['median_ms']:.2f}x"
+        if "transient_bytes" in row and "transient_bytes" in cce:
+            memory = f"{row['transient_bytes'] / cce['transient_bytes']:.2f}x"
+        lines.append(
+            f"| {row['label']} | {row['median_ms']:.2f} | {row['p20_ms']:.2f}-{row['p80_ms']:.2f}"
+            f" | {100 * row['fraction_of_floor']:.0f}% | {speed} | {_mib(row)} | {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def fused_linear_targets(result: dict) -> str:
+    """The issue's targets at the headline shape, each met or missed."""
+    head = result["headline"]
+    rows = {row["key"]: row for row in head["rows"]}
+    ours, compiled = rows.get("ours", {}), rows.get("compile_fp32", {})
+    liger, cce = rows.get("liger", {}), rows.get("cce", {})
+    lines = []
+    if ours.get("status") == "ok" and compiled.get("status") == "ok":
+        ratio = ours["median_ms"] / compiled["median_ms"]
+        lines.append(
+            f"- time: {ours['median_ms']:.2f} ms = {ratio:.3f}x torch.compile "
+            f"({compiled['median_ms']:.2f} ms; target <= {FUSED_TIME_TARGET}x): "
+            f"{_met(ratio <= FUSED_TIME_TARGET)}"
+        )
+    if ours.get("status") == "ok" and liger.get("status") == "ok":
+        lines.append(
+            f"- time against Liger-Kernel ({liger['median_ms']:.2f} ms; target: faster): "
+            f"{_met(ours['median_ms'] < liger['median_ms'])}"
+        )
+    if "transient_bytes" in ours and "transient_bytes" in cce:
+        ratio = ours["transient_bytes"] / cce["transient_bytes"]
+        lines.append(
+            f"- transient memory: {_mib(ours)} MiB = {ratio:.2f}x cut-cross-entropy "
+            f"({_mib(cce)} MiB; target <= {FUSED_MEMORY_TARGET}x): {_met(ratio <= FUSED_MEMORY_TARGET)}"
+        )
+    check = head["check"]
+    lines.append(
+        "- loss and gradients against float32 math: loss rel. error "
+        f"{check['loss_rel_error']:.1e}, hidden {check['grad_hidden_rel_error']:.1e}, weight "
+        f"{check['grad_weight_rel_error']:.1e}: {'passed' if check['passed'] else 'FAILED'}"
+    )
+    return "\n".join(lines)
+
+
+def fused_linear_sweep(result: dict) -> str:
+    sweep = result["sweep"]
+    shapes: dict[tuple, dict] = {}
+    for row in sweep["rows"]:
+        shapes.setdefault((row["n"], row["vocab"]), {})[row["key"]] = row
+    titles = " | ".join(title for _, title in FUSED_SWEEP_COLUMNS)
+    lines = [
+        f"Forward+backward, H={result['headline']['problem']['hidden']}, "
+        f"{result['headline']['problem']['dtype']}: median ms / transient MiB.",
+        "",
+        f"| N | V | floor ms | {titles} |",
+        "|---:|---:|---:|" + "---:|" * len(FUSED_SWEEP_COLUMNS),
+    ]
+    tflops = result["ceilings"]["matmul"]["tflops"]
+    for (n, vocab), rows in sorted(shapes.items()):
+        floor = 6 * n * result["headline"]["problem"]["hidden"] * vocab / tflops / 1e9
+        cells = []
+        for key, _ in FUSED_SWEEP_COLUMNS:
+            row = rows.get(key)
+            if row is None:
+                cells.append("-")
+            elif row["status"] != "ok":
+                cells.append(f"{row['status']}: {row.get('reason', '')}")
+            else:
+                cells.append(f"{row['median_ms']:.2f} / {_mib(row)}")
+        lines.append(f"| {n} | {vocab} | {floor:.2f} | " + " | ".join(cells) + " |")
+    for skip in sweep["skipped"]:
+        lines.append(f"| {skip['n']} | {skip['vocab']} | - | skipped: {skip['reason']} |")
+    return "\n".join(lines)
+
+
+def fused_linear_report(result: dict) -> str:
+    """Everything one run measured, the headline table last."""
+    env, matmul = result["environment"], result["ceilings"]["matmul"]
+    parts = [
+        f"## fused linear cross entropy benchmark ({result['mode']})",
+        f"{env['device_name']} ({_versions(env)}): bf16 {matmul['n']}^3 matmul "
+        f"{matmul['tflops']:.0f} TFLOP/s.",
+    ]
+    if "sweep" in result:
+        parts += ["### sweep", fused_linear_sweep(result)]
+    parts += ["### headline", fused_linear_headline(result), fused_linear_targets(result)]
     return "\n\n".join(parts)
 
 
@@ -229,10 +375,10 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
     parts = []
     for result in load_results(results_dir):
         parts.append(f"### cross_entropy, {result['environment']['device_name']}")
-        parts.append(ceilings_line(result))
-        parts += [headline_table(result), headline_summary(result)]
+        parts.append(cross_entropy_ceilings(result))
+        parts += [cross_entropy_headline(result), cross_entropy_targets(result)]
         if "sweep" in result:
-            parts.append(sweep_table(result))
+            parts.append(cross_entropy_sweep(result))
     fused = load_results(results_dir, "fused_linear")
     if fused:
         import bench_fused_linear  # imports torch and packed_ce: only when there is a result
