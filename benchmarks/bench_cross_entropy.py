@@ -382,12 +382,14 @@ def overhead(rows: list[dict], slower: str, faster: str) -> dict | None:
     a, b = by_key.get(slower, {}), by_key.get(faster, {})
     if a.get("status") != "ok" or b.get("status") != "ok":
         return None
-    pairs = harness.summarize([x / y - 1 for x, y in zip(a["samples_ms"], b["samples_ms"])])
+    pairs = harness.summarize(
+        [x / y - 1 for x, y in zip(a["samples_ms"], b["samples_ms"])], unit="ratio"
+    )
     return {
         "overhead": a["median_ms"] / b["median_ms"] - 1,
-        "pair_median": pairs["median_ms"],
-        "pair_p20": pairs["p20_ms"],
-        "pair_p80": pairs["p80_ms"],
+        "pair_median": pairs["median_ratio"],
+        "pair_p20": pairs["p20_ratio"],
+        "pair_p80": pairs["p80_ratio"],
     }
 
 

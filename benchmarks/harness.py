@@ -152,18 +152,19 @@ def warm_up(
     synchronize(device)
 
 
-def summarize(samples_ms: list[float]) -> dict:
+def summarize(samples: list[float], unit: str = "ms") -> dict:
+    """Median, p20 and p80 of ``samples``, keyed ``median_<unit>``, ``p20_<unit>``, ..."""
     # "inclusive": deciles within the samples' range (the default extrapolates at small counts)
     deciles = (
-        statistics.quantiles(samples_ms, n=10, method="inclusive")
-        if len(samples_ms) > 1
-        else samples_ms * 9
+        statistics.quantiles(samples, n=10, method="inclusive")
+        if len(samples) > 1
+        else samples * 9
     )
     return {
-        "median_ms": statistics.median(samples_ms),
-        "p20_ms": deciles[1],
-        "p80_ms": deciles[7],
-        "reps": len(samples_ms),
+        f"median_{unit}": statistics.median(samples),
+        f"p20_{unit}": deciles[1],
+        f"p80_{unit}": deciles[7],
+        "reps": len(samples),
     }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -84,6 +85,14 @@ def cross_entropy_ceilings(result: dict) -> str:
     )
 
 
+def _options_note(rows: list[dict]) -> str:
+    # Results taken before the rows named their options: then "validate=True (default)" was
+    # the one row with the default, every other packed_ce row ran with validate=False.
+    if any(row["key"] == "ours_packed_validate" for row in rows):
+        return "packed_ce rows use validate=False unless marked"
+    return "each packed_ce row names its options, (defaults) the ones a user gets"
+
+
 def cross_entropy_headline(result: dict) -> str:
     head = result["headline"]
     p = head["problem"]
@@ -92,8 +101,9 @@ def cross_entropy_headline(result: dict) -> str:
         f"Forward+backward, N={p['n']}, V={p['vocab']}, {p['dtype']}, {p['sequences']} packed "
         f"sequences, {100 * p['ignored_fraction']:.0f}% of tokens without a target. Floor "
         f"{p['floor_bytes'] / 1e9:.2f} GB = {floor:.3f} ms at the copy rate; the target "
-        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. Each row names "
-        "packed_ce's options; extra memory is in (N, V) gradient buffers; host ms is how long "
+        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. "
+        + _options_note(head["rows"])
+        + "; extra memory is in (N, V) gradient buffers; host ms is how long "
         "the step holds the host (enqueuing, and any sync inside): a step whose host time "
         "exceeds its device time cannot keep the GPU busy on its own.",
         "",
@@ -353,15 +363,82 @@ def fused_linear_report(result: dict) -> str:
     return "\n\n".join(parts)
 
 
-def load_results(results_dir: Path = RESULTS_DIR, benchmark: str = "cross_entropy") -> list[dict]:
+# --------------------------------------------------------------------------------------------
+# Whole training steps
+
+
+def _seconds(run: dict) -> str:
+    if "median_seconds" not in run:
+        return "-"
+    return f"{run['median_seconds']:.3f} ({run['p20_seconds']:.3f}-{run['p80_seconds']:.3f})"
+
+
+def training_report(result: dict) -> str:
+    """The runs of one ``bench_training.py`` result, the objective check and the speed-up."""
+    env, model, data, check = (result[k] for k in ("environment", "model", "data", "check"))
+    runs = result["runs"]
+    padded = runs.get("padded", {}).get("median_seconds")
+    lines = [
+        f"{env['device_name']} ({_versions(env)}). Llama-style model, "
+        f"{model['parameters'] / 1e9:.2f}B parameters ({model['config']['num_hidden_layers']} "
+        f"layers, hidden {model['config']['hidden_size']}, vocabulary "
+        f"{model['config']['vocab_size']}), {model['dtype']} weights and AdamW state. Each step: "
+        f"{data['conversations_per_step']:.1f} conversations, {data['real_tokens_per_step']:.0f} "
+        f"real tokens ({data['target_tokens_per_step']:.0f} targets), packed in one row of "
+        f"{data['row_tokens']} tokens padded to a multiple of {data['pad_to_multiple']}; padded: "
+        f"micro-batches of {data['padded_batch']} conversations, "
+        f"{data['padded_tokens_per_step']:.0f} tokens with padding. {result['warmup_steps']} "
+        "warm-up steps per run, reported apart; steady state: median (p20-p80) of the other "
+        "steps; tokens/s counts real tokens only; slow steps: steady steps over twice the "
+        "median (recompiles); peak: allocated GPU memory over the run, weights, gradients and "
+        "optimiser state included.",
+        "",
+        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded | slow steps "
+        "| peak GiB | first-step loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs.values():
+        speed = "-"
+        if padded and "median_seconds" in run:
+            speed = f"{padded / run['median_seconds']:.2f}x"
+        tokens = f"{run['tokens_per_second']:,.0f}" if run.get("tokens_per_second") else "-"
+        peak = f"{run['peak_gib']:.1f}" if "peak_gib" in run else "-"
+        warmup = ", ".join(f"{s:.2f}" for s in run["warmup_seconds"]) or "-"
+        lines.append(
+            f"| {run['label']} | {run['attention']} | {warmup} | {_seconds(run)} | {tokens} "
+            f"| {speed} | {run.get('slow_steps', '-')} | {peak} | {run['losses'][0]:.4f} |"
+        )
+    lines += [
+        "",
+        f"- same objective, initial weights, {check['conversations']} conversations of the first "
+        f"step: each conversation's mean loss, packed row vs padded row, max relative "
+        f"difference {check['max_rel_diff_per_conversation']:.1e}; the step's loss "
+        f"{check['rel_diff_loss']:.1e}"
+        + (
+            f"; first training step's loss, packed run vs padded run, "
+            f"{check['rel_diff_first_step_loss']:.1e}"
+            if "rel_diff_first_step_loss" in check
+            else ""
+        )
+        + f" (tolerance {check['tolerance']:g}): {'passed' if check['passed'] else 'FAILED'}",
+        f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
+        f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
+    ]
+    if "speedup_packed_over_padded" in result:
+        lines.append(
+            f"- packing at the same objective: {result['speedup_packed_over_padded']:.2f}x the "
+            "padded steady-state step rate"
+        )
+    return "\n".join(lines)
+
+
+def load_results(results_dir: Path, benchmark: str) -> list[dict]:
     """The newest full (else quick) result of ``benchmark`` for each device."""
     newest: dict[str, dict] = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         result = json.loads(path.read_text())
-        if result.get("benchmark") != benchmark or "headline" not in result:
-            continue
-        if result["mode"] not in ("full", "quick"):  # smoke numbers mean nothing
-            continue
+        if result.get("benchmark") != benchmark or result.get("mode") not in ("full", "quick"):
+            continue  # smoke and tiny numbers mean nothing
         device = result["environment"]["device_name"]
         rank = (result["mode"] == "full", result["created"])
         kept = newest.get(device)
@@ -371,22 +448,23 @@ def load_results(results_dir: Path = RESULTS_DIR, benchmark: str = "cross_entrop
 
 
 def readme_section(results_dir: Path = RESULTS_DIR) -> str:
-    """The README's performance section, from the stored results."""
+    """The tables of ``benchmarks/README.md``, from the stored results, device by device."""
     parts = []
-    for result in load_results(results_dir):
+    for result in load_results(results_dir, "training"):
+        parts += [f"### Whole SFT steps, {result['environment']['device_name']}"]
+        parts.append(training_report(result))
+    for result in load_results(results_dir, "cross_entropy"):
+        if "headline" not in result:
+            continue
         parts.append(f"### cross_entropy, {result['environment']['device_name']}")
         parts.append(cross_entropy_ceilings(result))
         parts += [cross_entropy_headline(result), cross_entropy_targets(result)]
         if "sweep" in result:
             parts.append(cross_entropy_sweep(result))
-    fused = load_results(results_dir, "fused_linear")
-    if fused:
-        import bench_fused_linear  # imports torch and packed_ce: only when there is a result
-
-        for result in fused:
-            parts.append(f"### fused_linear_cross_entropy, {result['environment']['device_name']}")
-            # the report's first paragraph is its own title, replaced by the heading above
-            parts.append(bench_fused_linear.report(result).split("\n\n", 1)[1])
+    for result in load_results(results_dir, "fused_linear"):
+        parts.append(f"### fused_linear_cross_entropy, {result['environment']['device_name']}")
+        # the report's first paragraph is its own title, replaced by the heading above
+        parts.append(fused_linear_report(result).split("\n\n", 1)[1])
     if not parts:
         parts.append("No benchmark results yet: run `make bench` on a GPU machine.")
     return "\n\n".join(parts)
@@ -402,14 +480,20 @@ def update_readme(readme: Path, section: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="README performance tables from the results")
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--readme", type=Path, help="write the section into this file")
+    parser = argparse.ArgumentParser(description="benchmarks/README.md tables from the results")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--readme", type=Path, default=README, help="file with the markers")
+    parser.add_argument("--print-only", action="store_true", help="print, write nothing")
     args = parser.parse_args()
     section = readme_section(args.results)
-    if args.readme:
+    if args.print_only:
+        print(section)
+        return
+    try:
         update_readme(args.readme, section)
-    print(section)
+    except (OSError, ValueError) as error:
+        sys.exit(f"make_tables: {error}")
+    print(f"wrote the tables into {args.readme}")
 
 
 if __name__ == "__main__":
