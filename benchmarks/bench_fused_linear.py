@@ -411,50 +411,6 @@ def run_sweep(plan: Plan, device: torch.device, matmul_tflops: float, deadline: 
 
 
 # --------------------------------------------------------------------------------------------
-# Tables
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _mib(row: dict) -> str:
-    return f"{row['transient_bytes'] / MiB:.0f}" if "transient_bytes" in row else "-"
-
-
-def headline_table(result: dict) -> str:
-    head = result["headline"]
-    p, rows = head["problem"], head["rows"]
-    by_key = {row["key"]: row for row in rows}
-    compiled, cce = by_key.get("compile_fp32", {}), by_key.get("cce", {})
-    lines = [
-        f"Forward+backward, N={p['n']}, H={p['hidden']}, V={p['vocab']}, {p['dtype']}, "
-        f"{p['sequences']} packed sequences, {100 * p['ignored_fraction']:.0f}% of tokens without "
-        f"a target. Floor: 6NHV = {p['flops'] / 1e12:.1f} TFLOP at the measured matmul rate = "
-        f"{head['floor_ms']:.1f} ms. Transient memory excludes the inputs and the gradients of "
-        "hidden and weight.",
-        "",
-        "| variant | median ms | p20-p80 ms | % of floor | vs torch.compile | transient MiB | "
-        "vs cut-cross-entropy |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| {row['label']} | {row['status']}: {row.get('reason', '')} | | | | | |")
-            continue
-        speed = memory = "-"
-        if compiled.get("status") == "ok":
-            speed = f"{row['median_ms'] / compiled['median_ms']:.2f}x"
-        if "transient_bytes" in row and "transient_bytes" in cce:
-            memory = f"{row['transient_bytes'] / cce['transient_bytes']:.2f}x"
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.2f} | {row['p20_ms']:.2f}-{row['p80_ms']:.2f}"
-            f" | {100 * row['fraction_of_floor']:.0f}% | {speed} | {_mib(row)} | {memory} |"
-        )
-    return "\n".join(lines)
-
-
-d# --------------------------------------------------------------------------------------------
 # Command line
 
 
