@@ -358,8 +358,8 @@ def fused_linear_report(result: dict) -> str:
         f"{matmul['tflops']:.0f} TFLOP/s.",
     ]
     if "sweep" in result:
-        parts += ["### sweep", fused_linear_sweep(result)]
-    parts += ["### headline", fused_linear_headline(result), fused_linear_targets(result)]
+        parts += ["#### sweep", fused_linear_sweep(result)]
+    parts += ["#### headline", fused_linear_headline(result), fused_linear_targets(result)]
     return "\n\n".join(parts)
 
 
