@@ -170,15 +170,8 @@ def packed_ce_loss(*, is_packed: bool, **options):
     """packed_ce with its defaults unless ``options`` say otherwise."""
 
     def loss(p: Problem) -> torch.Tensor:
-        return packed_ce.cross_entropy(
-            p.logits,
-            p.labels,
-            cu_seqlens=p.cu_seqlens,
-            is_packed=is_packed,
-            shift=True,
-            **harness.triton_off_cuda(p.logits),
-            **options,
-        )
+        keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
+        return packed_ce.cross_entropy(p.logits, p.labels, is_packed=is_packed, **keywords, **options)
 
     return loss
 

@@ -159,15 +159,9 @@ def packed_ce_loss(**options):
     """packed_ce's defaults unless ``options`` say otherwise."""
 
     def loss(p: Problem) -> torch.Tensor:
+        keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
         return packed_ce.fused_linear_cross_entropy(
-            p.hidden,
-            p.weight,
-            p.labels,
-            cu_seqlens=p.cu_seqlens,
-            is_packed=True,
-            shift=True,
-            **harness.triton_off_cuda(p.hidden),
-            **options,
+            p.hidden, p.weight, p.labels, is_packed=True, **keywords, **options
         )
 
     return loss
@@ -175,14 +169,9 @@ def packed_ce_loss(**options):
 
 def unfused_packed_ce_loss(p: Problem) -> torch.Tensor:
     # The (N, V) logits materialised, the loss kernel writing their gradient over them.
+    keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
     return packed_ce.cross_entropy(
-        F.linear(p.hidden, p.weight),
-        p.labels,
-        cu_seqlens=p.cu_seqlens,
-        is_packed=True,
-        shift=True,
-        inplace_backward=True,
-        **harness.triton_off_cuda(p.hidden),
+        F.linear(p.hidden, p.weight), p.labels, is_packed=True, inplace_backward=True, **keywords
     )
 
 

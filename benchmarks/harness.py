@@ -321,11 +321,13 @@ def packed_batch(n: int, vocab: int, device: torch.device) -> dict[str, torch.Te
     }
 
 
-def triton_off_cuda(tensor: torch.Tensor) -> dict:
-    """packed_ce's keyword for the default path on CUDA (none: ``backend="auto"``), and
-    ``backend="triton"`` off CUDA, where "auto" would take the PyTorch reference and the
+def packed_keywords(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> dict:
+    """The keywords every packed_ce call of the kernel benchmarks shares: boundaries, labels
+    aligned with the inputs (``shift=True``), and the backend: none on CUDA (the default,
+    ``"auto"``), ``"triton"`` off CUDA, where "auto" would take the PyTorch reference and the
     ``--smoke`` run is there to check the (interpreted) kernel path."""
-    return {} if tensor.is_cuda else {"backend": "triton"}
+    backend = {} if labels.is_cuda else {"backend": "triton"}
+    return {"cu_seqlens": cu_seqlens, "shift": True, **backend}
 
 
 # --------------------------------------------------------------------------------------------

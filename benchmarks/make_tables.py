@@ -53,6 +53,19 @@ def _row(cells: list[str], width: int) -> str:
     return "| " + " | ".join(cells + [""] * (width - len(cells))) + " |"
 
 
+def _timed_rows(rows: list[dict], width: int, cells, digits: int = 3) -> list[str]:
+    """One table row of ``width`` cells per result row: label, median, p20-p80, then
+    ``cells(row)``; a row that did not run gives its status and reason instead."""
+    lines = []
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], width))
+            continue
+        spread = f"{row['p20_ms']:.{digits}f}-{row['p80_ms']:.{digits}f}"
+        lines.append(_row([row["label"], f"{row['median_ms']:.{digits}f}", spread, *cells(row)], width))
+    return lines
+
+
 def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
@@ -110,16 +123,19 @@ def cross_entropy_headline(result: dict) -> str:
         "| variant | median ms | p20-p80 ms | GB/s | % of copy | extra memory | host ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in head["rows"]:
-        if row["status"] != "ok":
-            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 7))
-            continue
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
-            f" | {row['gbps']:.0f} | {100 * row['fraction_of_copy']:.1f}% | {_memory_cell(row)}"
-            f" | {row['host_ms']:.3f} |"
+    return "\n".join(
+        lines
+        + _timed_rows(
+            head["rows"],
+            7,
+            lambda row: [
+                f"{row['gbps']:.0f}",
+                f"{100 * row['fraction_of_copy']:.1f}%",
+                _memory_cell(row),
+                f"{row['host_ms']:.3f}",
+            ],
         )
-    return "\n".join(lines)
+    )
 
 
 def _overhead_line(overhead: dict, what: str) -> str:
@@ -221,15 +237,17 @@ def cross_entropy_configs(result: dict) -> str:
         "| config | median ms | p20-p80 ms | % of copy | |",
         "|---|---:|---:|---:|---|",
     ]
-    for row in configs["rows"]:
-        if row["status"] != "ok":
-            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 5))
-            continue
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
-            f" | {100 * row['fraction_of_copy']:.1f}% | {'best' if row['key'] == best else ''} |"
+    return "\n".join(
+        lines
+        + _timed_rows(
+            configs["rows"],
+            5,
+            lambda row: [
+                f"{100 * row['fraction_of_copy']:.1f}%",
+                "best" if row["key"] == best else "",
+            ],
         )
-    return "\n".join(lines)
+    )
 
 
 def cross_entropy_report(result: dict) -> str:
@@ -268,20 +286,16 @@ def fused_linear_headline(result: dict) -> str:
         "vs cut-cross-entropy |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| {row['label']} | {row['status']}: {row.get('reason', '')} | | | | | |")
-            continue
+
+    def cells(row: dict) -> list[str]:
         speed = memory = "-"
         if compiled.get("status") == "ok":
             speed = f"{row['median_ms'] / compiled['median_ms']:.2f}x"
         if "transient_bytes" in row and "transient_bytes" in cce:
             memory = f"{row['transient_bytes'] / cce['transient_bytes']:.2f}x"
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.2f} | {row['p20_ms']:.2f}-{row['p80_ms']:.2f}"
-            f" | {100 * row['fraction_of_floor']:.0f}% | {speed} | {_mib(row)} | {memory} |"
-        )
-    return "\n".join(lines)
+        return [f"{100 * row['fraction_of_floor']:.0f}%", speed, _mib(row), memory]
+
+    return "\n".join(lines + _timed_rows(rows, 7, cells, digits=2))
 
 
 def fused_linear_targets(result: dict) -> str:
