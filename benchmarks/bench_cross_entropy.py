@@ -98,9 +98,7 @@ GPU_PLAN = Plan(
     warmup=3,
     configs=_config_grid(),
 )
-QUICK_PLAN = dataclasses.replace(
-    GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0
-)
+QUICK_PLAN = dataclasses.replace(GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0)
 # Tiny sizes for the interpreter: V not a power of two (a masked tail), and one combo over
 # max_pair_bytes so the skip path runs too.
 SMOKE_PLAN = Plan(
@@ -171,7 +169,9 @@ def packed_ce_loss(*, is_packed: bool, **options):
 
     def loss(p: Problem) -> torch.Tensor:
         keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
-        return packed_ce.cross_entropy(p.logits, p.labels, is_packed=is_packed, **keywords, **options)
+        return packed_ce.cross_entropy(
+            p.logits, p.labels, is_packed=is_packed, **keywords, **options
+        )
 
     return loss
 
@@ -314,7 +314,9 @@ def config_variants(vocab: int, grid) -> list[Variant]:
         for block, warps in grid
     ]
     block, warps = ce_kernels._launch_config(vocab)
-    return forced + [Variant("current", f"as launched now: BLOCK_V={block}, num_warps={warps}", loss)]
+    return forced + [
+        Variant("current", f"as launched now: BLOCK_V={block}, num_warps={warps}", loss)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +351,11 @@ def check_headline(problem: Problem) -> dict:
     references = {
         "unpacked": lambda: F.cross_entropy(exact, problem.targets),
         "packed": lambda: packed_ce.cross_entropy(
-            exact, problem.labels, cu_seqlens=problem.cu_seqlens, is_packed=True, shift=True,
+            exact,
+            problem.labels,
+            cu_seqlens=problem.cu_seqlens,
+            is_packed=True,
+            shift=True,
             backend="torch",
         ),
     }

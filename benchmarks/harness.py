@@ -156,9 +156,7 @@ def summarize(samples: list[float], unit: str = "ms") -> dict:
     """Median, p20 and p80 of ``samples``, keyed ``median_<unit>``, ``p20_<unit>``, ..."""
     # "inclusive": deciles within the samples' range (the default extrapolates at small counts)
     deciles = (
-        statistics.quantiles(samples, n=10, method="inclusive")
-        if len(samples) > 1
-        else samples * 9
+        statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
     )
     return {
         f"median_{unit}": statistics.median(samples),

@@ -62,7 +62,9 @@ def _timed_rows(rows: list[dict], width: int, cells, digits: int = 3) -> list[st
             lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], width))
             continue
         spread = f"{row['p20_ms']:.{digits}f}-{row['p80_ms']:.{digits}f}"
-        lines.append(_row([row["label"], f"{row['median_ms']:.{digits}f}", spread, *cells(row)], width))
+        lines.append(
+            _row([row["label"], f"{row['median_ms']:.{digits}f}", spread, *cells(row)], width)
+        )
     return lines
 
 
@@ -321,7 +323,8 @@ def fused_linear_targets(result: dict) -> str:
         ratio = ours["transient_bytes"] / cce["transient_bytes"]
         lines.append(
             f"- transient memory: {_mib(ours)} MiB = {ratio:.2f}x cut-cross-entropy "
-            f"({_mib(cce)} MiB; target <= {FUSED_MEMORY_TARGET}x): {_met(ratio <= FUSED_MEMORY_TARGET)}"
+            f"({_mib(cce)} MiB; target <= {FUSED_MEMORY_TARGET}x): "
+            f"{_met(ratio <= FUSED_MEMORY_TARGET)}"
         )
     check = head["check"]
     lines.append(
