@@ -105,7 +105,7 @@ def _options_note(rows: list[dict]) -> str:
     # the one row with the default, every other packed_ce row ran with validate=False.
     if any(row["key"] == "ours_packed_validate" for row in rows):
         return "packed_ce rows use validate=False unless marked"
-    return "each packed_ce row names its options, (defaults) the ones a user gets"
+    return "Each packed_ce row names its options; (defaults) marks what a user gets"
 
 
 def cross_entropy_headline(result: dict) -> str:
