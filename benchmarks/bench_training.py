@@ -305,15 +305,16 @@ def stock_loss(model, batch: dict) -> torch.Tensor:
     ).loss
 
 
-def train_step(run: str, model, step: Step) -> float:
-    """Forward and backward of one step (the caller steps the optimiser); the step's loss."""
+def train_step(run: str, model, step: Step) -> torch.Tensor:
+    """Forward and backward of one step (the caller steps the optimiser); the step's loss,
+    detached, read by the caller after the step (no host sync in between)."""
     if run == "padded":
         total = 0.0
         for batch in step.padded:
             # sum of row means / conversations in the step: the step's per-conversation mean
             loss = padded_row_means(model, batch).sum() / len(step.conversations)
             loss.backward()
-            total += loss.item()
+            total = total + loss.detach()
         return total
     if run == "stock":
         loss = stock_loss(model, step.packed)
@@ -322,7 +323,7 @@ def train_step(run: str, model, step: Step) -> float:
             model, step.packed_exact if run == "packed_exact_length" else step.packed
         )
     loss.backward()
-    return loss.item()
+    return loss.detach()
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,11 +365,12 @@ def run_training(
     for step in steps:
         synchronize(device)
         start = time.perf_counter()
-        losses.append(train_step(run, model, step))
+        loss = train_step(run, model, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
+        losses.append(loss.item())
     del optimizer
     steady = seconds[warmup:]
     tokens = [step.real_tokens for step in steps[warmup:]]
@@ -407,12 +409,12 @@ def check_objective(model, initial: dict, step: Step, attention: str) -> dict:
         )
         packed_means = packed_means[: len(step.conversations)]  # the padding segment, if any, last
         packed_mean_loss = packed_loss(model, batch).float()
+        stock = stock_loss(model, batch).float()
         model.set_attn_implementation("sdpa")
         padded = torch.cat([padded_row_means(model, b).float() for b in step.padded])
         padded_means = torch.empty_like(padded).index_copy_(
             0, torch.tensor(step.padded_order, device=padded.device), padded
         )
-        stock = stock_loss(model, step.packed).float()
     per_conversation = ((packed_means - padded_means).abs() / padded_means.abs()).max().item()
     padded_loss = padded_means.mean()
     return {
