@@ -477,6 +477,9 @@ def main() -> int:
         warmup=args.warmup if args.warmup is not None else plan.warmup,
     )
     attention = args.attention or ("flex_attention" if device.type == "cuda" else "sdpa")
+    if attention == "flex_attention" and device.type != "cuda":
+        # torch's flex attention has no backward on the CPU
+        sys.exit("bench_training: --attention flex_attention trains on CUDA only: use sdpa here")
     pad_to_multiple = args.pad_to_multiple or plan.row_tokens
     out = args.out or (
         Path(tempfile.gettempdir()) / "packed_ce_bench" if args.tiny else harness.RESULTS_DIR
