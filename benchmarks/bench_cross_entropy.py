@@ -404,15 +404,14 @@ def run_headline(plan: Plan, device: torch.device, copy_gbps: float) -> dict:
     n, vocab, dtype = plan.headline
     print(f"headline N={n} V={vocab} {dtype} ...", flush=True)
     problem = make_problem(n, vocab, dtype, device)
-    checks = check_headline(problem)
-    harness.release_memory(problem, device)
-    rows = measure(
+    checks, rows = harness.checked_rows(
         problem,
+        check_headline,
         headline_variants(device),
+        functools.partial(measure, copy_gbps=copy_gbps),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,
-        copy_gbps=copy_gbps,
     )
     return {
         "problem": problem.describe(),

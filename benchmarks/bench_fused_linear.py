@@ -37,6 +37,7 @@ Dimensions: N tokens, H hidden size, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 import time
@@ -345,16 +346,14 @@ def run_headline(plan: Plan, device: torch.device, matmul_tflops: float) -> dict
     n, h, vocab, dtype = plan.headline
     print(f"headline N={n} H={h} V={vocab} {dtype} ...", flush=True)
     problem = make_problem(n, h, vocab, dtype, device)
-    check = check_headline(problem)
-    harness.release_memory(problem, device)
-    rows = measure(
+    check, rows = harness.checked_rows(
         problem,
+        check_headline,
         headline_variants(device),
+        functools.partial(measure, matmul_tflops=matmul_tflops, max_bytes=plan.max_bytes),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,
-        matmul_tflops=matmul_tflops,
-        max_bytes=plan.max_bytes,
     )
     return {
         "problem": problem.describe(),

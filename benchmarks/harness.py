@@ -431,6 +431,24 @@ def measure(
     return list(rows.values())
 
 
+def checked_rows(
+    problem: Problem,
+    check: Callable[[Problem], dict],
+    variants: list[Variant],
+    measure_rows: Callable[..., list[dict]],
+    *,
+    reps: int,
+    warmup: int,
+    device: torch.device,
+) -> tuple[dict, list[dict]]:
+    """The headline: ``check(problem)`` first (untimed: a variant that computes the wrong thing
+    must not be reported as a fast one), then ``measure_rows`` (:func:`measure` with the
+    script's own columns) of every variant."""
+    checked = check(problem)
+    release_memory(problem, device)
+    return checked, measure_rows(problem, variants, reps=reps, warmup=warmup, device=device)
+
+
 # --------------------------------------------------------------------------------------------
 # A benchmark run: command line, device, result header
 
