@@ -338,11 +338,6 @@ RUNS = {
 }
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_training(
     run: str,
     model,
@@ -363,12 +358,12 @@ def run_training(
         torch.cuda.reset_peak_memory_stats(device)
     seconds, losses = [], []
     for step in steps:
-        synchronize(device)
+        harness.synchronize(device)
         start = time.perf_counter()
         loss = train_step(run, model, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
+        harness.synchronize(device)
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
     del optimizer

@@ -1,4 +1,6 @@
-"""The one harness of the kernel benchmarks: inputs, timing, memory, ceilings, the run's header.
+"""The one harness of the benchmarks: inputs, timing, memory, ceilings, the run's header.
+
+``bench_training.py`` times whole steps and uses the environment, summary and file helpers.
 
 Timing follows the usual method for memory-bound kernels: CUDA events around every call, an
 untimed setup before each call (the inputs reset the same way for every variant, the L2 cache
