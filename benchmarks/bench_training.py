@@ -105,6 +105,7 @@ class Plan:
     steps: int
     exact_steps: int  # steady steps of the packed_exact_length run, after one warm-up step
     padded_batch: int
+    seconds: float  # a run not started this long after the start is skipped (and said so)
 
 
 GPU_PLAN = Plan(
@@ -126,6 +127,7 @@ GPU_PLAN = Plan(
     steps=10,
     exact_steps=3,
     padded_batch=4,
+    seconds=170.0,  # the last run then ends well within 4 minutes
 )
 # Seconds on a CPU: a 2-layer model, conversations and rows scaled down by 16.
 TINY_PLAN = Plan(
@@ -146,6 +148,7 @@ TINY_PLAN = Plan(
     steps=2,
     exact_steps=2,
     padded_batch=4,
+    seconds=600.0,
 )
 
 
@@ -508,7 +511,12 @@ def main() -> int:
     check = check_objective(model, initial, steps[0], attention)
     tolerance = 1e-4 if plan.dtype == torch.float32 else 2e-2  # bf16: 8 significant bits
     runs = {}
+    skipped = {}
     for run in args.runs:
+        if time.monotonic() - started > plan.seconds:
+            skipped[run] = f"not started: the run was past {plan.seconds:.0f} s"
+            print(f"run {run}: {skipped[run]}", flush=True)
+            continue
         print(f"run {run} ...", flush=True)
         if run == "packed_exact_length":  # one warm-up step: each new length is the point
             runs[run] = run_training(
@@ -558,6 +566,7 @@ def main() -> int:
         "attention": attention,
         "check": check,
         "runs": runs,
+        "skipped_runs": skipped,
         "seconds": time.monotonic() - started,
     }
     if "packed" in runs and "padded" in runs and "median_seconds" in runs["packed"]:

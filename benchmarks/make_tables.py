@@ -441,6 +441,8 @@ def training_report(result: dict) -> str:
         f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
         f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
     ]
+    for run, reason in result.get("skipped_runs", {}).items():
+        lines.append(f"- {run}: {reason}")
     if "speedup_packed_over_padded" in result:
         lines.append(
             f"- packing at the same objective: {result['speedup_packed_over_padded']:.2f}x the "
