@@ -13,15 +13,17 @@ once and writing their gradient once, ``2 * N * V * itemsize`` bytes (4*N*V in b
 is set against that floor at the device-to-device copy rate measured in the same run.
 
 What is timed is one training step's worth of loss work: the call, then ``loss.backward()``
-into a leaf ``logits`` whose ``.grad`` was reset. Before each call the logits are redrawn from a
-normal distribution (untimed): in-place kernels (``inplace_backward=True``, Liger-Kernel)
-overwrite them, and random data, unlike zeros, runs at the speed real data does.
+into a leaf ``logits`` whose ``.grad`` was reset. Before each call, for every variant alike, the
+logits are redrawn from a normal distribution (untimed): in-place kernels
+(``inplace_backward=True``, Liger-Kernel) overwrite them, and random data, unlike zeros, runs at
+the speed real data does. ``harness.py`` says how each call is timed.
 
-packed_ce gets the aligned labels with ``shift=True`` and ``cu_seqlens``, and does the shift and
-the per-sequence weights itself; the peers get the labels already shifted (the same target rows)
-and average per token. packed_ce rows use ``validate=False`` (no host sync) unless marked.
-cut-cross-entropy has no logits-input loss (it fuses the classifier matmul with the loss), so it
-is measured by ``bench_fused_linear.py``, not here.
+packed_ce runs with the defaults a user calls (``validate=True``: one host sync) and, marked,
+with ``validate=False`` (no sync); it gets the aligned labels with ``shift=True`` and
+``cu_seqlens`` and does the shift and the per-sequence weights itself. The peers get the labels
+already shifted (the same target rows) and average per token. cut-cross-entropy has no
+logits-input loss (it fuses the classifier matmul with the loss), so it is measured by
+``bench_fused_linear.py``, not here.
 
 Writes ``<out>/cross_entropy[_quick|_configs|_smoke]_<device>.json`` (and a ``.png`` plot for
 runs with a headline) and prints the tables, the headline last.
@@ -31,37 +33,27 @@ Dimensions: N tokens, V vocabulary, S sequences.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import inspect
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
-# The Triton interpreter is chosen when the kernels are defined, that is when packed_ce is
-# imported, so --smoke must set it first.
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
+import harness
+
+harness.smoke_requested()  # before packed_ce is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import make_tables  # noqa: E402
 import packed_ce  # noqa: E402
+from harness import GiB, Variant  # noqa: E402
 from packed_ce.kernels import cross_entropy as ce_kernels  # noqa: E402
 
-import common  # noqa: E402
-import make_tables  # noqa: E402
-from common import GiB  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-IGNORE_INDEX = -100
 DISTRIBUTIONS = ("torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy", "numpy")
 
 
@@ -79,7 +71,7 @@ class Plan:
     matmul_n: int
     headline_reps: int
     warmup: int
-    configs: tuple[tuple[int, int], ...]  # (columns per program, num_warps) for --configs
+    configs: tuple[tuple[int, int], ...]  # (BLOCK_V, num_warps) for --configs
 
 
 def _config_grid() -> tuple[tuple[int, int], ...]:
@@ -106,9 +98,7 @@ GPU_PLAN = Plan(
     warmup=3,
     configs=_config_grid(),
 )
-QUICK_PLAN = dataclasses.replace(
-    GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0
-)
+QUICK_PLAN = dataclasses.replace(GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0)
 # Tiny sizes for the interpreter: V not a power of two (a masked tail), and one combo over
 # max_pair_bytes so the skip path runs too.
 SMOKE_PLAN = Plan(
@@ -122,9 +112,7 @@ SMOKE_PLAN = Plan(
     matmul_n=256,
     headline_reps=3,
     warmup=1,
-    # one block per row: should the kernel split rows over programs that wait for each other,
-    # the interpreter, which runs programs one by one, could not run a split row
-    configs=((2048, 1), (4096, 1)),
+    configs=((512, 1), (1024, 1)),
 )
 
 
@@ -146,8 +134,8 @@ class Problem:
         # read the logits once, write the gradient once
         return 2 * self.logits.numel() * self.logits.element_size()
 
-    def refresh(self) -> None:
-        """Fresh random logits and no gradient (untimed, before every call)."""
+    def reset(self) -> None:
+        """Fresh random logits and no gradient (untimed, before every call of every variant)."""
         self.logits.grad = None
         with torch.no_grad():
             self.logits.normal_()
@@ -159,77 +147,30 @@ class Problem:
             "vocab": vocab,
             "dtype": str(self.logits.dtype).removeprefix("torch."),
             "sequences": self.cu_seqlens.numel() - 1,
-            "ignored_fraction": round((self.targets == IGNORE_INDEX).float().mean().item(), 3),
+            "ignored_fraction": round(
+                (self.targets == harness.IGNORE_INDEX).float().mean().item(), 3
+            ),
             "floor_bytes": self.floor_bytes,
             "n_times_v_over_2_31": n * vocab > 2**31,
         }
 
 
-def random_packing(n: int, generator: torch.Generator) -> torch.Tensor:
-    """``cu_seqlens`` of 8 to 20 sequences of random lengths filling ``n`` tokens (int32)."""
-    sequences = int(torch.randint(8, 21, (), generator=generator))
-    cuts = torch.randperm(n - 1, generator=generator)[: sequences - 1] + 1
-    bounds = torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([n])])
-    return bounds.to(torch.int32)
-
-
-def sft_labels(vocab: int, cu_seqlens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random labels with each sequence's prompt (10-30% of it, at least its first token)
-    ignored, as a supervised fine-tuning collator leaves them."""
-    n = int(cu_seqlens[-1])
-    labels = torch.randint(0, vocab, (n,), generator=generator)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        prompt = float(torch.empty(()).uniform_(0.1, 0.3, generator=generator))
-        labels[start : start + max(1, int(prompt * (end - start)))] = IGNORE_INDEX
-    return labels
-
-
-def shifted_targets(labels: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Target of token t = label of t+1 within its sequence; the last token of each has none."""
-    targets = torch.roll(labels, -1)
-    targets[cu_seqlens[1:].long() - 1] = IGNORE_INDEX
-    return targets
-
-
 def make_problem(n: int, vocab: int, dtype: torch.dtype, device: torch.device) -> Problem:
-    generator = torch.Generator().manual_seed(n * 1_000_003 + vocab)
-    cu_seqlens = random_packing(n, generator)
-    labels = sft_labels(vocab, cu_seqlens, generator)
     logits = torch.empty(n, vocab, dtype=dtype, device=device).normal_().requires_grad_()
-    return Problem(
-        logits=logits,
-        labels=labels.to(device),
-        cu_seqlens=cu_seqlens.to(device),
-        targets=shifted_targets(labels, cu_seqlens).to(device),
-    )
+    return Problem(logits=logits, **harness.packed_batch(n, vocab, device))
 
 
 # --------------------------------------------------------------------------------------------
 # What is timed
 
 
-@dataclass(frozen=True)
-class Variant:
-    key: str  # stable name in the JSON and the tables
-    label: str
-    loss: Callable[[Problem], torch.Tensor] | None  # None: skipped, for the reason below
-    skipped: str | None = None
-    # entered around each step: LaunchConfigs.forced for the --configs table
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+def packed_ce_loss(*, is_packed: bool, **options):
+    """packed_ce with its defaults unless ``options`` say otherwise."""
 
-
-def packed_ce_loss(*, is_packed: bool, inplace: bool = False, validate: bool = False):
     def loss(p: Problem) -> torch.Tensor:
+        keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
         return packed_ce.cross_entropy(
-            p.logits,
-            p.labels,
-            cu_seqlens=p.cu_seqlens,
-            is_packed=is_packed,
-            shift=True,
-            inplace_backward=inplace,
-            validate=validate,
-            backend="triton",  # "auto" would take the PyTorch reference on CPU (--smoke)
+            p.logits, p.labels, is_packed=is_packed, **keywords, **options
         )
 
     return loss
@@ -249,7 +190,7 @@ def load_liger():
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
     except Exception as error:
-        return None, common.error_text(error)
+        return None, harness.error_text(error)
 
     # Newer versions take class weights third, with no default; older ones ignore_index.
     parameters = inspect.signature(LigerCrossEntropyFunction.forward).parameters
@@ -289,22 +230,28 @@ def peer_variants(device: torch.device, compile_dynamic: bool) -> list[Variant]:
 
 def headline_variants(device: torch.device) -> list[Variant]:
     return [
-        Variant("ours_packed", "packed_ce is_packed=True", packed_ce_loss(is_packed=True)),
+        Variant(
+            "ours_packed", "packed_ce is_packed=True (defaults)", packed_ce_loss(is_packed=True)
+        ),
+        Variant(
+            "ours_packed_no_sync",
+            "packed_ce is_packed=True, validate=False (no host sync)",
+            packed_ce_loss(is_packed=True, validate=False),
+        ),
         Variant(
             "ours_packed_inplace",
-            "packed_ce is_packed=True, inplace_backward",
-            packed_ce_loss(is_packed=True, inplace=True),
+            "packed_ce is_packed=True, validate=False, inplace_backward",
+            packed_ce_loss(is_packed=True, validate=False, inplace_backward=True),
         ),
         Variant(
-            "ours_packed_validate",
-            "packed_ce is_packed=True, validate=True (default)",
-            packed_ce_loss(is_packed=True, validate=True),
+            "ours_unpacked",
+            "packed_ce is_packed=False, validate=False",
+            packed_ce_loss(is_packed=False, validate=False),
         ),
-        Variant("ours_unpacked", "packed_ce is_packed=False", packed_ce_loss(is_packed=False)),
         Variant(
             "ours_unpacked_inplace",
-            "packed_ce is_packed=False, inplace_backward",
-            packed_ce_loss(is_packed=False, inplace=True),
+            "packed_ce is_packed=False, validate=False, inplace_backward",
+            packed_ce_loss(is_packed=False, validate=False, inplace_backward=True),
         ),
         Variant(
             "eager_fp32",
@@ -332,144 +279,63 @@ def sweep_variants(device: torch.device) -> list[Variant]:
     # each of the 24 shapes, minutes of the run. The headline has the static-shape number.
     return [
         Variant("ours_packed", "packed_ce is_packed=True", packed_ce_loss(is_packed=True)),
-        Variant("ours_unpacked", "packed_ce is_packed=False", packed_ce_loss(is_packed=False)),
+        Variant(
+            "ours_unpacked",
+            "packed_ce is_packed=False, validate=False",
+            packed_ce_loss(is_packed=False, validate=False),
+        ),
         *peer_variants(device, compile_dynamic=True),
     ]
 
 
-class LaunchConfigs:
-    """Reads and overrides ``packed_ce.kernels.cross_entropy._launch_config``.
-
-    The kernel module is being tuned, so its launch config comes in two forms: ``(vocab_size)``
-    returning ``(BLOCK_V, num_warps)``, or ``(vocab_size, device)`` returning a dict of kernel
-    keywords (columns per program and ``num_warps``). Configs here are dicts in either case;
-    an override returns the form the module uses.
-    """
-
-    def __init__(self, vocab: int, device: torch.device):
-        takes_device = len(inspect.signature(ce_kernels._launch_config).parameters) > 1
-        current = ce_kernels._launch_config(*((vocab, device) if takes_device else (vocab,)))
-        self.as_dict = isinstance(current, dict)
-        names = ("BLOCK_V", "num_warps")
-        self.current = dict(current) if self.as_dict else dict(zip(names, current))
-        self.block_key = next(key for key in self.current if key != "num_warps")
-
-    def make(self, block: int, warps: int) -> dict:
-        return {self.block_key: block, "num_warps": warps}
-
-    @contextlib.contextmanager
-    def forced(self, config: dict):
-        """packed_ce's kernel launches with ``config`` while inside; restored on exit."""
-        value = dict(config) if self.as_dict else tuple(config.values())
-        original = ce_kernels._launch_config
-        ce_kernels._launch_config = lambda *args, **kwargs: value
-        try:
-            yield
-        finally:
-            ce_kernels._launch_config = original
+@contextlib.contextmanager
+def forced_launch_config(block: int, warps: int):
+    """packed_ce's kernel launches with ``(BLOCK_V, num_warps)`` while inside (a private
+    function of the kernel module, replaced in this process only); restored on exit."""
+    original = ce_kernels._launch_config
+    ce_kernels._launch_config = lambda vocab_size: (block, warps)
+    try:
+        yield
+    finally:
+        ce_kernels._launch_config = original
 
 
-def _config_text(config: dict) -> str:
-    return ", ".join(f"{name}={value}" for name, value in config.items())
-
-
-def config_variants(configs: LaunchConfigs, grid) -> list[Variant]:
-    """packed_ce is_packed=True under each (block, num_warps) of ``grid``, and once as it
-    launches now (the same numbers as its twin in the grid, unless forcing changes something)."""
+def config_variants(vocab: int, grid) -> list[Variant]:
+    """packed_ce is_packed=True, validate=False under each (BLOCK_V, num_warps) of ``grid``,
+    and once as it launches now (the same numbers as its twin in the grid)."""
+    loss = packed_ce_loss(is_packed=True, validate=False)
     forced = [
         Variant(
-            "_".join(f"{name}{value}" for name, value in config.items()),
-            _config_text(config),
-            packed_ce_loss(is_packed=True),
-            context=functools.partial(configs.forced, config),
+            f"BLOCK_V{block}_num_warps{warps}",
+            f"BLOCK_V={block}, num_warps={warps}",
+            loss,
+            context=functools.partial(forced_launch_config, block, warps),
         )
-        for config in (configs.make(block, warps) for block, warps in grid)
+        for block, warps in grid
     ]
-    current = "as launched now: " + _config_text(configs.current)
-    return forced + [Variant("current", current, packed_ce_loss(is_packed=True))]
-
-
-def make_step(variant: Variant, problem: Problem) -> Callable[[], torch.Tensor]:
-    def step() -> torch.Tensor:
-        with variant.context():
-            loss = variant.loss(problem)
-            loss.backward()
-        return loss.detach()
-
-    return step
+    block, warps = ce_kernels._launch_config(vocab)
+    return forced + [
+        Variant("current", f"as launched now: BLOCK_V={block}, num_warps={warps}", loss)
+    ]
 
 
 # --------------------------------------------------------------------------------------------
 # Measuring
 
 
-def release_memory(problem: Problem, device: torch.device) -> None:
-    problem.logits.grad = None
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _warmed_steps(
-    problem: Problem, variants: list[Variant], rows: dict, *, warmup: int, device: torch.device
-) -> dict[str, Callable[[], torch.Tensor]]:
-    """The steps that ran their warm-up calls; the others get a skipped or error row."""
-    steps = {}
-    for variant in variants:
-        row = rows[variant.key]
-        if variant.loss is None:
-            row.update(status="skipped", reason=variant.skipped)
-            continue
-        step = make_step(variant, problem)
-        try:
-            common.warm_up(step, setup=problem.refresh, calls=warmup, device=device)
-        except Exception as error:  # a peer that fails (OOM, unsupported shape) stays a row
-            row.update(status="error", reason=common.error_text(error))
-            release_memory(problem, device)
-            continue
-        steps[variant.key] = step
-    return steps
-
-
 def measure(
-    problem: Problem,
-    variants: list[Variant],
-    *,
-    reps: int,
-    warmup: int,
-    device: torch.device,
-    copy_gbps: float,
-    memory: bool = True,
+    problem: Problem, variants: list[Variant], *, copy_gbps: float, **options
 ) -> list[dict]:
-    """One row per variant: median time, bandwidth against the floor, extra memory, loss."""
-    shape = problem.describe()
+    """:func:`harness.measure`, each row set against the floor at the copy rate."""
     grad_bytes = problem.logits.numel() * problem.logits.element_size()
-    rows = {v.key: {"key": v.key, "label": v.label, **shape} for v in variants}
-    steps = _warmed_steps(problem, variants, rows, warmup=warmup, device=device)
-    timings = common.time_calls(steps, setup=problem.refresh, reps=reps, device=device)
-    for key, timing in timings.items():
-        row = rows[key]
-        if "error" in timing:
-            row.update(status="error", reason=timing["error"])
-        else:
-            gbps = problem.floor_bytes / timing["median_ms"] / 1e6
-            row.update(status="ok", **timing, gbps=gbps, fraction_of_copy=gbps / copy_gbps)
-        if memory and row["status"] == "ok":
-            try:
-                extra, loss = common.extra_memory_bytes(
-                    steps[key], setup=problem.refresh, device=device
-                )
-            except Exception as error:
-                row.update(memory_error=common.error_text(error))
-            else:
-                row.update(loss=float(loss))
-                if extra is not None:
-                    row.update(extra_bytes=extra, extra_grad_buffers=extra / grad_bytes)
-        release_memory(problem, device)
-    return list(rows.values())
-
-
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value.double() - reference.double()).norm() / reference.double().norm()).item()
+    rows = harness.measure(problem, variants, **options)
+    for row in rows:
+        if row["status"] == "ok":
+            gbps = problem.floor_bytes / row["median_ms"] / 1e6
+            row.update(gbps=gbps, fraction_of_copy=gbps / copy_gbps)
+        if "extra_bytes" in row:
+            row["extra_grad_buffers"] = row["extra_bytes"] / grad_bytes
+    return rows
 
 
 def check_headline(problem: Problem) -> dict:
@@ -480,12 +346,16 @@ def check_headline(problem: Problem) -> dict:
     PyTorch reference.
     """
     grad_tolerance = {torch.float32: 1e-4}.get(problem.logits.dtype, 1e-2)  # bf16/fp16 output
-    problem.refresh()
+    problem.reset()
     exact = problem.logits.detach().float().requires_grad_()
     references = {
         "unpacked": lambda: F.cross_entropy(exact, problem.targets),
         "packed": lambda: packed_ce.cross_entropy(
-            exact, problem.labels, cu_seqlens=problem.cu_seqlens, is_packed=True, shift=True,
+            exact,
+            problem.labels,
+            cu_seqlens=problem.cu_seqlens,
+            is_packed=True,
+            shift=True,
             backend="torch",
         ),
     }
@@ -495,8 +365,8 @@ def check_headline(problem: Problem) -> dict:
         (ref_grad,) = torch.autograd.grad(ref_loss, exact)
         loss = packed_ce_loss(is_packed=name == "packed")(problem)
         (grad,) = torch.autograd.grad(loss, problem.logits)
-        loss_error = relative_error(loss.detach(), ref_loss.detach())
-        grad_error = relative_error(grad, ref_grad)
+        loss_error = harness.relative_error(loss.detach(), ref_loss.detach())
+        grad_error = harness.relative_error(grad, ref_grad)
         checks[name] = {
             "loss_rel_error": loss_error,
             "grad_rel_error": grad_error,
@@ -505,27 +375,28 @@ def check_headline(problem: Problem) -> dict:
     return checks
 
 
-def packed_overhead(rows: list[dict], packed: str, unpacked: str) -> dict | None:
-    """(packed time) / (unpacked time) - 1, from medians and from the per-rep pairs."""
+def overhead(rows: list[dict], slower: str, faster: str) -> dict | None:
+    """(time of ``slower``) / (time of ``faster``) - 1, from the medians and the per-rep pairs."""
     by_key = {row["key"]: row for row in rows}
-    a, b = by_key.get(packed, {}), by_key.get(unpacked, {})
+    a, b = by_key.get(slower, {}), by_key.get(faster, {})
     if a.get("status") != "ok" or b.get("status") != "ok":
         return None
-    ratios = [x / y - 1 for x, y in zip(a["samples_ms"], b["samples_ms"])]
-    pairs = common.summarize(ratios)
+    pairs = harness.summarize(
+        [x / y - 1 for x, y in zip(a["samples_ms"], b["samples_ms"])], unit="ratio"
+    )
     return {
         "overhead": a["median_ms"] / b["median_ms"] - 1,
-        "pair_median": pairs["median_ms"],
-        "pair_p20": pairs["p20_ms"],
-        "pair_p80": pairs["p80_ms"],
+        "pair_median": pairs["median_ratio"],
+        "pair_p20": pairs["p20_ratio"],
+        "pair_p80": pairs["p80_ratio"],
     }
 
 
 def run_ceilings(plan: Plan, device: torch.device) -> dict:
     print("ceilings ...", flush=True)
     return {
-        "copy": common.copy_bandwidth(device, plan.copy_bytes, reps=30),
-        "matmul": common.matmul_tflops(device, plan.matmul_n, reps=30),
+        "copy": harness.copy_bandwidth(device, plan.copy_bytes, reps=30),
+        "matmul": harness.matmul_tflops(device, plan.matmul_n, reps=30),
     }
 
 
@@ -533,25 +404,23 @@ def run_headline(plan: Plan, device: torch.device, copy_gbps: float) -> dict:
     n, vocab, dtype = plan.headline
     print(f"headline N={n} V={vocab} {dtype} ...", flush=True)
     problem = make_problem(n, vocab, dtype, device)
-    checks = check_headline(problem)
-    release_memory(problem, device)
-    rows = measure(
+    checks, rows = harness.checked_rows(
         problem,
+        check_headline,
         headline_variants(device),
+        functools.partial(measure, copy_gbps=copy_gbps),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,
-        copy_gbps=copy_gbps,
     )
     return {
         "problem": problem.describe(),
         "floor_ms": problem.floor_bytes / copy_gbps / 1e6,
         "checks": checks,
         "rows": rows,
-        "packed_overhead": packed_overhead(rows, "ours_packed", "ours_unpacked"),
-        "packed_overhead_inplace": packed_overhead(
-            rows, "ours_packed_inplace", "ours_unpacked_inplace"
-        ),
+        "validate_overhead": overhead(rows, "ours_packed", "ours_packed_no_sync"),
+        "packed_overhead": overhead(rows, "ours_packed_no_sync", "ours_unpacked"),
+        "packed_overhead_inplace": overhead(rows, "ours_packed_inplace", "ours_unpacked_inplace"),
     }
 
 
@@ -590,31 +459,26 @@ def run_sweep(plan: Plan, device: torch.device, copy_gbps: float, deadline: floa
                 device=device,
                 copy_gbps=copy_gbps,
             )
-            release_memory(problem, device)
+            harness.release_memory(problem, device)
             del problem
     return {"rows": rows, "skipped": skipped}
 
 
 def run_configs(plan: Plan, device: torch.device, copy_gbps: float, grid) -> dict:
-    """packed_ce at the headline shape under each (columns per program, num_warps) of grid."""
+    """packed_ce at the headline shape under each (BLOCK_V, num_warps) of ``grid``."""
     n, vocab, dtype = plan.headline
     print(f"configs at N={n} V={vocab} {dtype} ...", flush=True)
     problem = make_problem(n, vocab, dtype, device)
-    configs = LaunchConfigs(vocab, device)
     rows = measure(
         problem,
-        config_variants(configs, grid),
+        config_variants(vocab, grid),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,
         copy_gbps=copy_gbps,
         memory=False,
     )
-    return {
-        "problem": problem.describe(),
-        "current": configs.current,
-        "rows": rows,
-    }
+    return {"problem": problem.describe(), "rows": rows}
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,78 +490,54 @@ def parse_config(text: str) -> tuple[int, int]:
     return int(block), int(warps)
 
 
-def parse_args() -> argparse.Namespace:
-    # no abbreviations: "--smoke" is looked for in sys.argv before argparse runs
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="a smaller sweep (N=8192, bf16)")
-    mode.add_argument(
-        "--configs", action="store_true", help="only the ceilings and the launch-config table"
-    )
-    mode.add_argument(
-        "--smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter"
-    )
+MODES = {
+    "quick": "a smaller sweep (N=8192, bf16)",
+    "configs": "only the ceilings and the launch-config table",
+}
+
+
+def main() -> int:
+    """Runs the plan of the chosen mode; returns 1 if packed_ce failed its correctness check."""
+    parser = harness.argument_parser(__doc__.split("\n\n")[0], MODES)
     parser.add_argument(
         "--config",
         action="append",
         type=parse_config,
         metavar="BLOCKxWARPS",
-        help="with --configs: columns per program and num_warps to time instead of the "
-        "default grid, e.g. 4096x8; repeatable",
+        help="with --configs: BLOCK_V and num_warps to time instead of the default grid, "
+        "e.g. 4096x8; repeatable",
     )
-    parser.add_argument("--out", type=Path, help=f"output folder (default {RESULTS_DIR})")
-    return parser.parse_args()
-
-
-def main() -> int:
-    """Runs the plan of the chosen mode; returns 1 if packed_ce failed its correctness check."""
-    args = parse_args()
+    args = parser.parse_args()
     started = time.monotonic()
-    mode = next((m for m in ("quick", "configs", "smoke") if getattr(args, m)), "full")
+    mode, device, json_path, result = harness.begin_run(
+        "cross_entropy", args, tuple(MODES), DISTRIBUTIONS
+    )
     plan = {"full": GPU_PLAN, "quick": QUICK_PLAN, "configs": GPU_PLAN, "smoke": SMOKE_PLAN}[mode]
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run on a GPU machine, or --smoke here")
-    # smoke numbers are meaningless: keep them out of the results folder
-    smoke_dir = Path(tempfile.gettempdir()) / "packed_ce_bench"
-    out = args.out or (smoke_dir if args.smoke else RESULTS_DIR)
-    torch.manual_seed(0)
-
-    env = common.environment(device, DISTRIBUTIONS)
-    suffix = "" if mode == "full" else f"_{mode}"
-    json_path = out / f"cross_entropy{suffix}_{common.device_slug(env)}.json"
-    result = {
-        "benchmark": "cross_entropy",
-        "mode": mode,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "environment": env | {"packed_ce": packed_ce.__version__},
-        "kernel_sha256": common.file_digest(Path(ce_kernels.__file__)),
-    }
+    result["kernel_sha256"] = harness.file_digest(Path(ce_kernels.__file__))
     result["ceilings"] = run_ceilings(plan, device)
     copy_gbps = result["ceilings"]["copy"]["gbps"]
-    common.write_json(json_path, result)  # saved after every section: a timeout keeps the rest
+    harness.write_json(json_path, result)  # saved after every section: a timeout keeps the rest
 
     if mode == "configs":
         result["configs"] = run_configs(plan, device, copy_gbps, args.config or plan.configs)
-        common.write_json(json_path, result)
+        harness.write_json(json_path, result)
     else:
         result["headline"] = run_headline(plan, device, copy_gbps)
-        common.write_json(json_path, result)
+        harness.write_json(json_path, result)
         result["sweep"] = run_sweep(plan, device, copy_gbps, deadline=started + plan.seconds)
         if mode == "smoke":
             result["configs"] = run_configs(plan, device, copy_gbps, plan.configs)
-        common.write_json(json_path, result)
+        harness.write_json(json_path, result)
         try:
             import plot
 
             result["plot"] = str(plot.plot_cross_entropy(result, json_path.with_suffix(".png")))
         except Exception as error:  # the numbers matter more than the picture
-            result["plot"] = f"failed: {common.error_text(error)}"
-        common.write_json(json_path, result)
+            result["plot"] = f"failed: {harness.error_text(error)}"
+        harness.write_json(json_path, result)
 
     print(f"\nwrote {json_path}" + (f" and {result['plot']}" if "plot" in result else ""))
-    print(make_tables.report(result))
+    print(make_tables.cross_entropy_report(result))
     checks = result.get("headline", {}).get("checks", {}).values()
     return 0 if all(check["passed"] for check in checks) else 1
 

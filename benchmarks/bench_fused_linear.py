@@ -11,16 +11,20 @@ On a GPU machine, from the repository root::
 The work is three GEMMs of ``2 N H V`` FLOPs each (logits, then the gradients of hidden and
 weight), so the floor is ``6 N H V`` FLOPs at the bf16 matmul rate measured here; the loss
 itself only moves bytes. What is timed is one training step's worth: the call, then
-``loss.backward()`` into leaf ``hidden`` and ``weight`` whose ``.grad`` were reset.
+``loss.backward()`` into leaf ``hidden`` and ``weight`` whose ``.grad`` were reset before the
+call, for every variant alike (no variant modifies its inputs). ``harness.py`` says how each
+call is timed (CUDA events, the L2 flushed, variants interleaved rep by rep, median and
+p20-p80).
 
 packed_ce gets the labels aligned with the inputs and ``cu_seqlens`` (``shift=True``,
 ``is_packed=True``: a mean per sequence); the peers get the same target rows already shifted and
-average per token. With its defaults every row goes through the GEMMs, as in torch.compile and
-Liger-Kernel; with ``drop_ignored_rows=True`` (one more wait for the device) the rows without a
-target (each sequence's prompt, 10-30% of it, and its last token) skip them, as
-cut-cross-entropy does; ``validate=False`` is the path with no host sync at all. Transient memory is
-the peak during the step minus what was allocated before it (the inputs) and minus the
-gradients of hidden and weight that the step leaves behind.
+average per token. packed_ce runs with the defaults a user calls (``validate=True``: one host
+sync), and, marked, with other options. With its defaults every row goes through the GEMMs, as
+in torch.compile and Liger-Kernel; with ``drop_ignored_rows=True`` (one more wait for the
+device) the rows without a target (each sequence's prompt, 10-30% of it, and its last token)
+skip them, as cut-cross-entropy does; ``validate=False`` is the path with no host sync at all.
+Transient memory is the peak during the step minus what was allocated before it (the inputs)
+and minus the gradients of hidden and weight that the step leaves behind.
 cut-cross-entropy is run as installed (``filter_eps="auto"``: it skips gradient blocks whose
 softmax is below a threshold, an approximation) and exact (``filter_eps=None``).
 
@@ -32,47 +36,25 @@ Dimensions: N tokens, H hidden size, V vocabulary.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import functools
 import inspect
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
-from typing import Callable
 
-# The Triton interpreter is chosen when the kernels are defined, that is when packed_ce is
-# imported, so --smoke must set it first.
-if "--smoke" in sys.argv:
-    os.environ["TRITON_INTERPRET"] = "1"
+import harness
+
+harness.smoke_requested()  # before packed_ce is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import make_tables  # noqa: E402
 import packed_ce  # noqa: E402
-from packed_ce import fused_linear  # noqa: E402
+from harness import GiB, Variant  # noqa: E402
 
-import common  # noqa: E402
-from bench_cross_entropy import random_packing, sft_labels, shifted_targets  # noqa: E402
-from common import GiB  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DISTRIBUTIONS = ("torch", "triton", "liger-kernel", "cut-cross-entropy")
-MiB = 2**20
-# The issue's targets at the headline: time against torch.compile, memory against
-# cut-cross-entropy (as installed), and faster than Liger-Kernel.
-TIME_TARGET = 0.95
-MEMORY_TARGET = 1.25
-SWEEP_COLUMNS = (  # (row key, column title) of the sweep table
-    ("ours", "packed_ce fused"),
-    ("ours_drop", "packed_ce, drop_ignored_rows"),
-    ("compile_fp32", "torch.compile"),
-    ("liger", "Liger-Kernel"),
-    ("cce", "cut-cross-entropy"),
-)
 
 
 @dataclass(frozen=True)
@@ -140,7 +122,7 @@ class Problem:
         return sum(t.numel() * t.element_size() for t in (self.hidden, self.weight))
 
     def reset(self) -> None:
-        """No gradients (untimed, before every call); no input is modified by any variant."""
+        """No gradients (untimed, before every call); no variant modifies an input."""
         self.hidden.grad = None
         self.weight.grad = None
 
@@ -152,24 +134,21 @@ class Problem:
             "vocab": self.weight.shape[0],
             "dtype": str(self.hidden.dtype).removeprefix("torch."),
             "sequences": self.cu_seqlens.numel() - 1,
-            "ignored_fraction": round((self.targets == -100).float().mean().item(), 3),
+            "ignored_fraction": round(
+                (self.targets == harness.IGNORE_INDEX).float().mean().item(), 3
+            ),
             "flops": self.flops,
         }
 
 
 def make_problem(n: int, h: int, vocab: int, dtype: torch.dtype, device: torch.device) -> Problem:
-    generator = torch.Generator().manual_seed(n * 1_000_003 + vocab)
-    cu_seqlens = random_packing(n, generator)
-    labels = sft_labels(vocab, cu_seqlens, generator)
     # logits of standard deviation 2: random data, since zeros run faster than real data
     hidden = torch.randn(n, h, device=device, dtype=dtype)
     weight = torch.randn(vocab, h, device=device, dtype=dtype) * (2.0 / h**0.5)
     return Problem(
         hidden=hidden.requires_grad_(),
         weight=weight.requires_grad_(),
-        labels=labels.to(device),
-        cu_seqlens=cu_seqlens.to(device),
-        targets=shifted_targets(labels, cu_seqlens).to(device),
+        **harness.packed_batch(n, vocab, device),
     )
 
 
@@ -177,28 +156,13 @@ def make_problem(n: int, h: int, vocab: int, dtype: torch.dtype, device: torch.d
 # What is timed
 
 
-@dataclass(frozen=True)
-class Variant:
-    key: str  # stable name in the JSON and the tables
-    label: str
-    loss: Callable[[Problem], torch.Tensor] | None  # None: skipped, for the reason below
-    skipped: str | None = None
-    logits_bytes_per_element: int = 0  # (N, V) buffers it holds at its peak, for the skip rule
-
-
 def packed_ce_loss(**options):
     """packed_ce's defaults unless ``options`` say otherwise."""
 
     def loss(p: Problem) -> torch.Tensor:
-        return fused_linear.fused_linear_cross_entropy(
-            p.hidden,
-            p.weight,
-            p.labels,
-            cu_seqlens=p.cu_seqlens,
-            is_packed=True,
-            shift=True,
-            backend="triton",  # "auto" would take the PyTorch path on CPU (--smoke)
-            **options,
+        keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
+        return packed_ce.fused_linear_cross_entropy(
+            p.hidden, p.weight, p.labels, is_packed=True, **keywords, **options
         )
 
     return loss
@@ -206,15 +170,9 @@ def packed_ce_loss(**options):
 
 def unfused_packed_ce_loss(p: Problem) -> torch.Tensor:
     # The (N, V) logits materialised, the loss kernel writing their gradient over them.
+    keywords = harness.packed_keywords(p.labels, p.cu_seqlens)
     return packed_ce.cross_entropy(
-        F.linear(p.hidden, p.weight),
-        p.labels,
-        cu_seqlens=p.cu_seqlens,
-        is_packed=True,
-        shift=True,
-        inplace_backward=True,
-        validate=False,
-        backend="triton",
+        F.linear(p.hidden, p.weight), p.labels, is_packed=True, inplace_backward=True, **keywords
     )
 
 
@@ -228,7 +186,7 @@ def load_liger():
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as error:
-        return None, common.error_text(error)
+        return None, harness.error_text(error)
     module = LigerFusedLinearCrossEntropyLoss()  # ignore_index=-100, reduction "mean"
 
     def loss(p: Problem) -> torch.Tensor:
@@ -243,7 +201,7 @@ def load_cut_cross_entropy(exact: bool):
     try:
         from cut_cross_entropy import linear_cross_entropy
     except Exception as error:
-        return None, common.error_text(error)
+        return None, harness.error_text(error)
     options = {}
     if exact:
         if "filter_eps" not in inspect.signature(linear_cross_entropy).parameters:
@@ -327,86 +285,31 @@ def sweep_variants(device: torch.device) -> list[Variant]:
     ]
 
 
-def make_step(variant: Variant, problem: Problem) -> Callable[[], torch.Tensor]:
-    def step() -> torch.Tensor:
-        loss = variant.loss(problem)
-        loss.backward()
-        return loss.detach()
-
-    return step
-
-
-# --------------------------------------------------------------------------------------------
-# Measuring
-
-
-def release_memory(problem: Problem, device: torch.device) -> None:
-    problem.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def estimated_peak(variant: Variant, problem: Problem) -> int:
     n, vocab = problem.hidden.shape[0], problem.weight.shape[0]
     return 2 * problem.grad_bytes + n * vocab * variant.logits_bytes_per_element
 
 
 def measure(
-    problem: Problem,
-    variants: list[Variant],
-    *,
-    reps: int,
-    warmup: int,
-    device: torch.device,
-    matmul_tflops: float,
-    max_bytes: int,
+    problem: Problem, variants: list[Variant], *, matmul_tflops: float, max_bytes: int, **options
 ) -> list[dict]:
-    """One row per variant: median time, fraction of the matmul floor, transient memory."""
-    shape = problem.describe()
+    """:func:`harness.measure` with the memory skip rule; each row set against the matmul
+    floor, its transient memory apart from the gradients it leaves behind."""
     floor_ms = problem.flops / matmul_tflops / 1e9
-    rows = {v.key: {"key": v.key, "label": v.label, **shape} for v in variants}
-    steps = {}
-    for variant in variants:
-        row = rows[variant.key]
-        if variant.loss is None:
-            row.update(status="skipped", reason=variant.skipped)
-            continue
-        if estimated_peak(variant, problem) > max_bytes:
-            peak = estimated_peak(variant, problem) / GiB
-            row.update(
-                status="skipped", reason=f"needs ~{peak:.3g} GiB > {max_bytes / GiB:.3g} GiB"
-            )
-            continue
-        step = make_step(variant, problem)
-        try:
-            common.warm_up(step, setup=problem.reset, calls=warmup, device=device)
-        except Exception as error:  # a peer that fails (OOM, unsupported shape) stays a row
-            row.update(status="error", reason=common.error_text(error))
-            release_memory(problem, device)
-            continue
-        steps[variant.key] = step
-    release_memory(problem, device)
-    timings = common.time_calls(steps, setup=problem.reset, reps=reps, device=device)
-    for key, timing in timings.items():
-        row = rows[key]
-        if "error" in timing:
-            row.update(status="error", reason=timing["error"])
-            continue
-        row.update(status="ok", **timing, fraction_of_floor=floor_ms / timing["median_ms"])
-        try:
-            extra, loss = common.extra_memory_bytes(steps[key], setup=problem.reset, device=device)
-        except Exception as error:
-            row.update(memory_error=common.error_text(error))
-        else:
-            row.update(loss=float(loss))
-            if extra is not None:
-                row.update(transient_bytes=extra - problem.grad_bytes)
-        release_memory(problem, device)
-    return list(rows.values())
 
+    def too_big(variant: Variant) -> str | None:
+        peak = estimated_peak(variant, problem)
+        if peak <= max_bytes:
+            return None
+        return f"needs ~{peak / GiB:.3g} GiB > {max_bytes / GiB:.3g} GiB"
 
-def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((value.double() - reference.double()).norm() / reference.double().norm()).item()
+    rows = harness.measure(problem, variants, too_big=too_big, **options)
+    for row in rows:
+        if row["status"] == "ok":
+            row["fraction_of_floor"] = floor_ms / row["median_ms"]
+        if "extra_bytes" in row:
+            row["transient_bytes"] = row["extra_bytes"] - problem.grad_bytes
+    return rows
 
 
 def check_headline(problem: Problem) -> dict:
@@ -429,9 +332,9 @@ def check_headline(problem: Problem) -> dict:
     loss = packed_ce_loss()(problem)
     grads = torch.autograd.grad(loss, (problem.hidden, problem.weight))
     errors = {
-        "loss_rel_error": relative_error(loss.detach(), ref_loss.detach()),
-        "grad_hidden_rel_error": relative_error(grads[0], ref_grads[0]),
-        "grad_weight_rel_error": relative_error(grads[1], ref_grads[1]),
+        "loss_rel_error": harness.relative_error(loss.detach(), ref_loss.detach()),
+        "grad_hidden_rel_error": harness.relative_error(grads[0], ref_grads[0]),
+        "grad_weight_rel_error": harness.relative_error(grads[1], ref_grads[1]),
     }
     # bf16: the logits and dL/dZ are rounded to 8 significant bits, as in the unfused model
     tolerance = 1e-4 if problem.hidden.dtype == torch.float32 else 2e-2
@@ -443,16 +346,14 @@ def run_headline(plan: Plan, device: torch.device, matmul_tflops: float) -> dict
     n, h, vocab, dtype = plan.headline
     print(f"headline N={n} H={h} V={vocab} {dtype} ...", flush=True)
     problem = make_problem(n, h, vocab, dtype, device)
-    check = check_headline(problem)
-    release_memory(problem, device)
-    rows = measure(
+    check, rows = harness.checked_rows(
         problem,
+        check_headline,
         headline_variants(device),
+        functools.partial(measure, matmul_tflops=matmul_tflops, max_bytes=plan.max_bytes),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,
-        matmul_tflops=matmul_tflops,
-        max_bytes=plan.max_bytes,
     )
     return {
         "problem": problem.describe(),
@@ -492,192 +393,39 @@ def run_sweep(plan: Plan, device: torch.device, matmul_tflops: float, deadline: 
             matmul_tflops=matmul_tflops,
             max_bytes=plan.max_bytes,
         )
-        release_memory(problem, device)
+        harness.release_memory(problem, device)
         del problem
     return {"rows": rows, "skipped": skipped}
-
-
-# --------------------------------------------------------------------------------------------
-# Tables
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def _mib(row: dict) -> str:
-    return f"{row['transient_bytes'] / MiB:.0f}" if "transient_bytes" in row else "-"
-
-
-def headline_table(result: dict) -> str:
-    head = result["headline"]
-    p, rows = head["problem"], head["rows"]
-    by_key = {row["key"]: row for row in rows}
-    compiled, cce = by_key.get("compile_fp32", {}), by_key.get("cce", {})
-    lines = [
-        f"Forward+backward, N={p['n']}, H={p['hidden']}, V={p['vocab']}, {p['dtype']}, "
-        f"{p['sequences']} packed sequences, {100 * p['ignored_fraction']:.0f}% of tokens without "
-        f"a target. Floor: 6NHV = {p['flops'] / 1e12:.1f} TFLOP at the measured matmul rate = "
-        f"{head['floor_ms']:.1f} ms. Transient memory excludes the inputs and the gradients of "
-        "hidden and weight.",
-        "",
-        "| variant | median ms | p20-p80 ms | % of floor | vs torch.compile | transient MiB | "
-        "vs cut-cross-entropy |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        if row["status"] != "ok":
-            lines.append(f"| {row['label']} | {row['status']}: {row.get('reason', '')} | | | | | |")
-            continue
-        speed = memory = "-"
-        if compiled.get("status") == "ok":
-            speed = f"{row['median_ms'] / compiled['median_ms']:.2f}x"
-        if "transient_bytes" in row and "transient_bytes" in cce:
-            memory = f"{row['transient_bytes'] / cce['transient_bytes']:.2f}x"
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.2f} | {row['p20_ms']:.2f}-{row['p80_ms']:.2f}"
-            f" | {100 * row['fraction_of_floor']:.0f}% | {speed} | {_mib(row)} | {memory} |"
-        )
-    return "\n".join(lines)
-
-
-def headline_summary(result: dict) -> str:
-    """The issue's targets at the headline shape, each met or missed."""
-    head = result["headline"]
-    rows = {row["key"]: row for row in head["rows"]}
-    ours, compiled = rows.get("ours", {}), rows.get("compile_fp32", {})
-    liger, cce = rows.get("liger", {}), rows.get("cce", {})
-    lines = []
-    if ours.get("status") == "ok" and compiled.get("status") == "ok":
-        ratio = ours["median_ms"] / compiled["median_ms"]
-        lines.append(
-            f"- time: {ours['median_ms']:.2f} ms = {ratio:.3f}x torch.compile "
-            f"({compiled['median_ms']:.2f} ms; target <= {TIME_TARGET}x): "
-            f"{_met(ratio <= TIME_TARGET)}"
-        )
-    if ours.get("status") == "ok" and liger.get("status") == "ok":
-        lines.append(
-            f"- time against Liger-Kernel ({liger['median_ms']:.2f} ms; target: faster): "
-            f"{_met(ours['median_ms'] < liger['median_ms'])}"
-        )
-    if "transient_bytes" in ours and "transient_bytes" in cce:
-        ratio = ours["transient_bytes"] / cce["transient_bytes"]
-        lines.append(
-            f"- transient memory: {_mib(ours)} MiB = {ratio:.2f}x cut-cross-entropy "
-            f"({_mib(cce)} MiB; target <= {MEMORY_TARGET}x): {_met(ratio <= MEMORY_TARGET)}"
-        )
-    check = head["check"]
-    lines.append(
-        "- loss and gradients against float32 math: loss rel. error "
-        f"{check['loss_rel_error']:.1e}, hidden {check['grad_hidden_rel_error']:.1e}, weight "
-        f"{check['grad_weight_rel_error']:.1e}: {'passed' if check['passed'] else 'FAILED'}"
-    )
-    return "\n".join(lines)
-
-
-def sweep_table(result: dict) -> str:
-    sweep = result["sweep"]
-    shapes: dict[tuple, dict] = {}
-    for row in sweep["rows"]:
-        shapes.setdefault((row["n"], row["vocab"]), {})[row["key"]] = row
-    titles = " | ".join(title for _, title in SWEEP_COLUMNS)
-    lines = [
-        f"Forward+backward, H={result['headline']['problem']['hidden']}, "
-        f"{result['headline']['problem']['dtype']}: median ms / transient MiB.",
-        "",
-        f"| N | V | floor ms | {titles} |",
-        "|---:|---:|---:|" + "---:|" * len(SWEEP_COLUMNS),
-    ]
-    tflops = result["ceilings"]["matmul"]["tflops"]
-    for (n, vocab), rows in sorted(shapes.items()):
-        floor = 6 * n * result["headline"]["problem"]["hidden"] * vocab / tflops / 1e9
-        cells = []
-        for key, _ in SWEEP_COLUMNS:
-            row = rows.get(key)
-            if row is None:
-                cells.append("-")
-            elif row["status"] != "ok":
-                cells.append(f"{row['status']}: {row.get('reason', '')}")
-            else:
-                cells.append(f"{row['median_ms']:.2f} / {_mib(row)}")
-        lines.append(f"| {n} | {vocab} | {floor:.2f} | " + " | ".join(cells) + " |")
-    for skip in sweep["skipped"]:
-        lines.append(f"| {skip['n']} | {skip['vocab']} | - | skipped: {skip['reason']} |")
-    return "\n".join(lines)
-
-
-def report(result: dict) -> str:
-    env, matmul = result["environment"], result["ceilings"]["matmul"]
-    versions = ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
-    parts = [
-        f"## fused linear cross entropy benchmark ({result['mode']})",
-        f"{env['device_name']} ({versions}): bf16 {matmul['n']}^3 matmul "
-        f"{matmul['tflops']:.0f} TFLOP/s; fp32 weight-gradient accumulator through addmm "
-        f"out_dtype: {result['addmm_fp32_accumulator']}.",
-    ]
-    if "sweep" in result:
-        parts += ["### sweep", sweep_table(result)]
-    parts += ["### headline", headline_table(result), headline_summary(result)]
-    return "\n\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
 # Command line
 
 
-def parse_args() -> argparse.Namespace:
-    # no abbreviations: "--smoke" is looked for in sys.argv before argparse runs
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="a smaller sweep")
-    mode.add_argument(
-        "--smoke", action="store_true", help="tiny sizes on CPU through the Triton interpreter"
-    )
-    parser.add_argument("--out", type=Path, help=f"output folder (default {RESULTS_DIR})")
-    return parser.parse_args()
+MODES = {"quick": "a smaller sweep"}
 
 
 def main() -> int:
     """Runs the plan of the chosen mode; returns 1 if packed_ce failed its correctness check."""
-    args = parse_args()
+    args = harness.argument_parser(__doc__.split("\n\n")[0], MODES).parse_args()
     started = time.monotonic()
-    mode = next((m for m in ("quick", "smoke") if getattr(args, m)), "full")
-    plan = {"full": GPU_PLAN, "quick": QUICK_PLAN, "smoke": SMOKE_PLAN}[mode]
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run on a GPU machine, or --smoke here")
-    # smoke numbers are meaningless: keep them out of the results folder
-    out = args.out or (
-        Path(tempfile.gettempdir()) / "packed_ce_bench" if args.smoke else RESULTS_DIR
+    mode, device, json_path, result = harness.begin_run(
+        "fused_linear", args, tuple(MODES), DISTRIBUTIONS
     )
-    torch.manual_seed(0)
-
-    env = common.environment(device, DISTRIBUTIONS)
-    suffix = "" if mode == "full" else f"_{mode}"
-    json_path = out / f"fused_linear{suffix}_{common.device_slug(env)}.json"
-    result = {
-        "benchmark": "fused_linear",
-        "mode": mode,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "environment": env | {"packed_ce": packed_ce.__version__},
-        # False: the fp32 accumulator falls back to upcast copies (slower), see _matmul_into
-        "addmm_fp32_accumulator": device.type == "cuda"
-        and fused_linear._addmm_accumulates_in_fp32(device),
-        "source_sha256": common.file_digest(Path(fused_linear.__file__)),
-    }
+    plan = {"full": GPU_PLAN, "quick": QUICK_PLAN, "smoke": SMOKE_PLAN}[mode]
+    result["source_sha256"] = harness.package_digest(packed_ce)
     print("matmul rate ...", flush=True)
-    result["ceilings"] = {"matmul": common.matmul_tflops(device, plan.matmul_n, reps=30)}
+    result["ceilings"] = {"matmul": harness.matmul_tflops(device, plan.matmul_n, reps=30)}
     tflops = result["ceilings"]["matmul"]["tflops"]
-    common.write_json(json_path, result)  # saved after every section: a timeout keeps the rest
+    harness.write_json(json_path, result)  # saved after every section: a timeout keeps the rest
 
     result["headline"] = run_headline(plan, device, tflops)
-    common.write_json(json_path, result)
+    harness.write_json(json_path, result)
     result["sweep"] = run_sweep(plan, device, tflops, deadline=started + plan.seconds)
-    common.write_json(json_path, result)
+    harness.write_json(json_path, result)
 
     print(f"\nwrote {json_path}")
-    print(report(result))
+    print(make_tables.fused_linear_report(result))
     return 0 if result["headline"]["check"]["passed"] else 1
 
 

@@ -1,36 +1,71 @@
-"""Markdown tables from the benchmark results (``benchmarks/results/*.json``).
+"""The one table writer: markdown tables from the benchmark results (``results/*.json``).
 
-The benchmark prints :func:`report` of its own result; the README's performance section is
-:func:`readme_section` of the stored results::
+Each benchmark prints its ``*_report`` of its own result; ``benchmarks/README.md`` holds
+:func:`readme_section` of the stored results between its ``bench:start`` / ``bench:end``
+markers::
 
-    python benchmarks/make_tables.py                       # print the README section
-    python benchmarks/make_tables.py --readme README.md    # replace it between the markers
+    python benchmarks/make_tables.py                # rewrite the tables in benchmarks/README.md
+    python benchmarks/make_tables.py --print-only   # print them
 
-Every time is set against the floor: reading the logits once and writing the gradient once
-(``floor_bytes``) at the device-to-device copy rate measured in the same run.
+Cross entropy: every time is set against the floor, reading the logits once and writing the
+gradient once (``floor_bytes``), at the device-to-device copy rate measured in the same run.
+Fused linear: against ``6 N H V`` FLOPs at the bf16 matmul rate measured in the same run.
+Training: whole SFT steps; see ``bench_training.py``.
+
+Only the standard library is imported here: rendering needs no GPU, torch or packed_ce.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+MiB = 2**20
 TARGET_FRACTION = 0.85  # of the copy rate, for packed_ce forward+backward
-OVERHEAD_TARGET = 0.03  # is_packed=True over is_packed=False
-SWEEP_COLUMNS = (  # (row key, column title) of the sweep table
+OVERHEAD_TARGET = 0.03  # is_packed=True over is_packed=False; the defaults over validate=False
+SWEEP_COLUMNS = (  # (row key, column title) of the cross-entropy sweep table
     ("ours_packed", "packed_ce packed"),
     ("ours_unpacked", "packed_ce unpacked"),
     ("compile_fp32", "torch.compile"),
     ("liger", "Liger-Kernel"),
+)
+# The fused-linear targets at the headline: time against torch.compile, memory against
+# cut-cross-entropy (as installed), and faster than Liger-Kernel.
+FUSED_TIME_TARGET = 0.95
+FUSED_MEMORY_TARGET = 1.25
+FUSED_SWEEP_COLUMNS = (
+    ("ours", "packed_ce fused"),
+    ("ours_drop", "packed_ce, drop_ignored_rows"),
+    ("compile_fp32", "torch.compile"),
+    ("liger", "Liger-Kernel"),
+    ("cce", "cut-cross-entropy"),
 )
 
 
 def _row(cells: list[str], width: int) -> str:
     """A table row of ``width`` cells, the missing ones empty."""
     return "| " + " | ".join(cells + [""] * (width - len(cells))) + " |"
+
+
+def _timed_rows(rows: list[dict], width: int, cells, digits: int = 3) -> list[str]:
+    """One table row of ``width`` cells per result row: label, median, p20-p80, then
+    ``cells(row)``; a row that did not run gives its status and reason instead."""
+    lines = []
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], width))
+            continue
+        spread = f"{row['p20_ms']:.{digits}f}-{row['p80_ms']:.{digits}f}"
+        lines.append(
+            _row([row["label"], f"{row['median_ms']:.{digits}f}", spread, *cells(row)], width)
+        )
+    return lines
 
 
 def _met(ok: bool) -> str:
@@ -52,17 +87,28 @@ def _memory_cell(row: dict) -> str:
     return f"{row['extra_bytes'] / 2**30:.2f} GiB ({row['extra_grad_buffers']:.2f} x grad)"
 
 
-def ceilings_line(result: dict) -> str:
+def _versions(env: dict) -> str:
+    return ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
+
+
+def cross_entropy_ceilings(result: dict) -> str:
     env, ceilings = result["environment"], result["ceilings"]
-    versions = ", ".join(f"{name} {v}" for name, v in env["versions"].items() if v is not None)
     return (
-        f"{env['device_name']} ({versions}; packed_ce kernel {result['kernel_sha256']}): "
+        f"{env['device_name']} ({_versions(env)}; packed_ce kernel {result['kernel_sha256']}): "
         f"device-to-device copy {ceilings['copy']['gbps']:.0f} GB/s counting read + write, "
         f"bf16 {ceilings['matmul']['n']}^3 matmul {ceilings['matmul']['tflops']:.0f} TFLOP/s."
     )
 
 
-def headline_table(result: dict) -> str:
+def _options_note(rows: list[dict]) -> str:
+    # Results taken before the rows named their options: then "validate=True (default)" was
+    # the one row with the default, every other packed_ce row ran with validate=False.
+    if any(row["key"] == "ours_packed_validate" for row in rows):
+        return "packed_ce rows use validate=False unless marked"
+    return "Each packed_ce row names its options; (defaults) marks what a user gets"
+
+
+def cross_entropy_headline(result: dict) -> str:
     head = result["headline"]
     p = head["problem"]
     floor = head["floor_ms"]
@@ -70,28 +116,41 @@ def headline_table(result: dict) -> str:
         f"Forward+backward, N={p['n']}, V={p['vocab']}, {p['dtype']}, {p['sequences']} packed "
         f"sequences, {100 * p['ignored_fraction']:.0f}% of tokens without a target. Floor "
         f"{p['floor_bytes'] / 1e9:.2f} GB = {floor:.3f} ms at the copy rate; the target "
-        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. packed_ce rows "
-        "use validate=False unless marked; extra memory is in (N, V) gradient buffers; host ms "
-        "is how long the step holds the host (enqueuing, and any sync inside): a step whose "
-        "host time exceeds its device time cannot keep the GPU busy on its own.",
+        f"({100 * TARGET_FRACTION:.0f}%) is {floor / TARGET_FRACTION:.3f} ms. "
+        + _options_note(head["rows"])
+        + "; extra memory is in (N, V) gradient buffers; host ms is how long "
+        "the step holds the host (enqueuing, and any sync inside): a step whose host time "
+        "exceeds its device time cannot keep the GPU busy on its own.",
         "",
         "| variant | median ms | p20-p80 ms | GB/s | % of copy | extra memory | host ms |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in head["rows"]:
-        if row["status"] != "ok":
-            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 7))
-            continue
-        lines.append(
-            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
-            f" | {row['gbps']:.0f} | {100 * row['fraction_of_copy']:.1f}% | {_memory_cell(row)}"
-            f" | {row['host_ms']:.3f} |"
+    return "\n".join(
+        lines
+        + _timed_rows(
+            head["rows"],
+            7,
+            lambda row: [
+                f"{row['gbps']:.0f}",
+                f"{100 * row['fraction_of_copy']:.1f}%",
+                _memory_cell(row),
+                f"{row['host_ms']:.3f}",
+            ],
         )
-    return "\n".join(lines)
+    )
 
 
-def headline_summary(result: dict) -> str:
-    """The issue's targets at the headline shape, each met or missed."""
+def _overhead_line(overhead: dict, what: str) -> str:
+    return (
+        f"- {what}: {100 * overhead['overhead']:+.1f}% (per-rep pairs: median "
+        f"{100 * overhead['pair_median']:+.1f}%, p20-p80 {100 * overhead['pair_p20']:+.1f}%.."
+        f"{100 * overhead['pair_p80']:+.1f}%; target <= {100 * OVERHEAD_TARGET:.0f}%): "
+        f"{_met(overhead['overhead'] <= OVERHEAD_TARGET)}"
+    )
+
+
+def cross_entropy_targets(result: dict) -> str:
+    """The targets at the headline shape, each met or missed; rows named by their labels."""
     head = result["headline"]
     rows = {row["key"]: row for row in head["rows"]}
     lines = []
@@ -99,20 +158,16 @@ def headline_summary(result: dict) -> str:
     if ours.get("status") == "ok":
         fraction = ours["fraction_of_copy"]
         lines.append(
-            f"- packed_ce is_packed=True: {ours['median_ms']:.3f} ms = {100 * fraction:.1f}% of "
-            f"the copy rate (target >= {100 * TARGET_FRACTION:.0f}%): "
-            f"{_met(fraction >= TARGET_FRACTION)}"
+            f"- {ours['label']}: {ours['median_ms']:.3f} ms = {100 * fraction:.1f}% of the copy "
+            f"rate (target >= {100 * TARGET_FRACTION:.0f}%): {_met(fraction >= TARGET_FRACTION)}"
         )
-    for key, name in (("packed_overhead", ""), ("packed_overhead_inplace", ", inplace_backward")):
-        overhead = head.get(key)
-        if overhead is not None:
-            lines.append(
-                f"- is_packed=True over is_packed=False{name}: {100 * overhead['overhead']:+.1f}% "
-                f"(per-rep pairs: median {100 * overhead['pair_median']:+.1f}%, p20-p80 "
-                f"{100 * overhead['pair_p20']:+.1f}%..{100 * overhead['pair_p80']:+.1f}%; "
-                f"target <= {100 * OVERHEAD_TARGET:.0f}%): "
-                f"{_met(overhead['overhead'] <= OVERHEAD_TARGET)}"
-            )
+    for key, what in (
+        ("validate_overhead", "the defaults (validate=True) over validate=False"),
+        ("packed_overhead", "is_packed=True over is_packed=False"),
+        ("packed_overhead_inplace", "is_packed=True over is_packed=False, inplace_backward"),
+    ):
+        if head.get(key) is not None:
+            lines.append(_overhead_line(head[key], what))
     # inplace_backward=True: no (N, V) buffer at all; False: the gradient itself, no more.
     for key, limit, wanted in (
         ("ours_packed_inplace", 0.5, "no extra (N, V) buffer"),
@@ -134,7 +189,7 @@ def headline_summary(result: dict) -> str:
     return "\n".join(lines)
 
 
-def sweep_table(result: dict) -> str:
+def cross_entropy_sweep(result: dict) -> str:
     sweep = result["sweep"]
     copy_gbps = result["ceilings"]["copy"]["gbps"]
     shapes: dict[tuple, dict] = {}
@@ -172,7 +227,7 @@ def sweep_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def configs_table(result: dict) -> str:
+def cross_entropy_configs(result: dict) -> str:
     configs = result["configs"]
     p = configs["problem"]
     ok = [row for row in configs["rows"] if row["status"] == "ok"]
@@ -184,38 +239,225 @@ def configs_table(result: dict) -> str:
         "| config | median ms | p20-p80 ms | % of copy | |",
         "|---|---:|---:|---:|---|",
     ]
-    for row in configs["rows"]:
-        if row["status"] != "ok":
-            lines.append(_row([row["label"], f"{row['status']}: {row.get('reason', '')}"], 5))
-            continue
+    return "\n".join(
+        lines
+        + _timed_rows(
+            configs["rows"],
+            5,
+            lambda row: [
+                f"{100 * row['fraction_of_copy']:.1f}%",
+                "best" if row["key"] == best else "",
+            ],
+        )
+    )
+
+
+def cross_entropy_report(result: dict) -> str:
+    """Everything one run measured, the headline table last."""
+    parts = [f"## cross entropy benchmark ({result['mode']})", cross_entropy_ceilings(result)]
+    if "configs" in result:
+        parts.append(cross_entropy_configs(result))
+    if "sweep" in result:
+        parts.append(cross_entropy_sweep(result))
+    if "headline" in result:
+        parts += [cross_entropy_targets(result), cross_entropy_headline(result)]
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Fused linear cross entropy
+
+
+def _mib(row: dict) -> str:
+    return f"{row['transient_bytes'] / MiB:.0f}" if "transient_bytes" in row else "-"
+
+
+def fused_linear_headline(result: dict) -> str:
+    head = result["headline"]
+    p, rows = head["problem"], head["rows"]
+    by_key = {row["key"]: row for row in rows}
+    compiled, cce = by_key.get("compile_fp32", {}), by_key.get("cce", {})
+    lines = [
+        f"Forward+backward, N={p['n']}, H={p['hidden']}, V={p['vocab']}, {p['dtype']}, "
+        f"{p['sequences']} packed sequences, {100 * p['ignored_fraction']:.0f}% of tokens without "
+        f"a target. Floor: 6NHV = {p['flops'] / 1e12:.1f} TFLOP at the measured matmul rate = "
+        f"{head['floor_ms']:.1f} ms. Transient memory excludes the inputs and the gradients of "
+        "hidden and weight.",
+        "",
+        "| variant | median ms | p20-p80 ms | % of floor | vs torch.compile | transient MiB | "
+        "vs cut-cross-entropy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def cells(row: dict) -> list[str]:
+        speed = memory = "-"
+        if compiled.get("status") == "ok":
+            speed = f"{row['median_ms'] / compiled['median_ms']:.2f}x"
+        if "transient_bytes" in row and "transient_bytes" in cce:
+            memory = f"{row['transient_bytes'] / cce['transient_bytes']:.2f}x"
+        return [f"{100 * row['fraction_of_floor']:.0f}%", speed, _mib(row), memory]
+
+    return "\n".join(lines + _timed_rows(rows, 7, cells, digits=2))
+
+
+def fused_linear_targets(result: dict) -> str:
+    """The issue's targets at the headline shape, each met or missed."""
+    head = result["headline"]
+    rows = {row["key"]: row for row in head["rows"]}
+    ours, compiled = rows.get("ours", {}), rows.get("compile_fp32", {})
+    liger, cce = rows.get("liger", {}), rows.get("cce", {})
+    lines = []
+    if ours.get("status") == "ok" and compiled.get("status") == "ok":
+        ratio = ours["median_ms"] / compiled["median_ms"]
         lines.append(
-            f"| {row['label']} | {row['median_ms']:.3f} | {row['p20_ms']:.3f}-{row['p80_ms']:.3f}"
-            f" | {100 * row['fraction_of_copy']:.1f}% | {'best' if row['key'] == best else ''} |"
+            f"- time: {ours['median_ms']:.2f} ms = {ratio:.3f}x torch.compile "
+            f"({compiled['median_ms']:.2f} ms; target <= {FUSED_TIME_TARGET}x): "
+            f"{_met(ratio <= FUSED_TIME_TARGET)}"
+        )
+    if ours.get("status") == "ok" and liger.get("status") == "ok":
+        lines.append(
+            f"- time against Liger-Kernel ({liger['median_ms']:.2f} ms; target: faster): "
+            f"{_met(ours['median_ms'] < liger['median_ms'])}"
+        )
+    if "transient_bytes" in ours and "transient_bytes" in cce:
+        ratio = ours["transient_bytes"] / cce["transient_bytes"]
+        lines.append(
+            f"- transient memory: {_mib(ours)} MiB = {ratio:.2f}x cut-cross-entropy "
+            f"({_mib(cce)} MiB; target <= {FUSED_MEMORY_TARGET}x): "
+            f"{_met(ratio <= FUSED_MEMORY_TARGET)}"
+        )
+    check = head["check"]
+    lines.append(
+        "- loss and gradients against float32 math: loss rel. error "
+        f"{check['loss_rel_error']:.1e}, hidden {check['grad_hidden_rel_error']:.1e}, weight "
+        f"{check['grad_weight_rel_error']:.1e}: {'passed' if check['passed'] else 'FAILED'}"
+    )
+    return "\n".join(lines)
+
+
+def fused_linear_sweep(result: dict) -> str:
+    sweep = result["sweep"]
+    shapes: dict[tuple, dict] = {}
+    for row in sweep["rows"]:
+        shapes.setdefault((row["n"], row["vocab"]), {})[row["key"]] = row
+    titles = " | ".join(title for _, title in FUSED_SWEEP_COLUMNS)
+    lines = [
+        f"Forward+backward, H={result['headline']['problem']['hidden']}, "
+        f"{result['headline']['problem']['dtype']}: median ms / transient MiB.",
+        "",
+        f"| N | V | floor ms | {titles} |",
+        "|---:|---:|---:|" + "---:|" * len(FUSED_SWEEP_COLUMNS),
+    ]
+    tflops = result["ceilings"]["matmul"]["tflops"]
+    for (n, vocab), rows in sorted(shapes.items()):
+        floor = 6 * n * result["headline"]["problem"]["hidden"] * vocab / tflops / 1e9
+        cells = []
+        for key, _ in FUSED_SWEEP_COLUMNS:
+            row = rows.get(key)
+            if row is None:
+                cells.append("-")
+            elif row["status"] != "ok":
+                cells.append(f"{row['status']}: {row.get('reason', '')}")
+            else:
+                cells.append(f"{row['median_ms']:.2f} / {_mib(row)}")
+        lines.append(f"| {n} | {vocab} | {floor:.2f} | " + " | ".join(cells) + " |")
+    for skip in sweep["skipped"]:
+        lines.append(f"| {skip['n']} | {skip['vocab']} | - | skipped: {skip['reason']} |")
+    return "\n".join(lines)
+
+
+def fused_linear_report(result: dict) -> str:
+    """Everything one run measured, the headline table last."""
+    env, matmul = result["environment"], result["ceilings"]["matmul"]
+    parts = [
+        f"## fused linear cross entropy benchmark ({result['mode']})",
+        f"{env['device_name']} ({_versions(env)}): bf16 {matmul['n']}^3 matmul "
+        f"{matmul['tflops']:.0f} TFLOP/s.",
+    ]
+    if "sweep" in result:
+        parts += ["#### sweep", fused_linear_sweep(result)]
+    parts += ["#### headline", fused_linear_headline(result), fused_linear_targets(result)]
+    return "\n\n".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Whole training steps
+
+
+def _seconds(run: dict) -> str:
+    if "median_seconds" not in run:
+        return "-"
+    return f"{run['median_seconds']:.3f} ({run['p20_seconds']:.3f}-{run['p80_seconds']:.3f})"
+
+
+def training_report(result: dict) -> str:
+    """The runs of one ``bench_training.py`` result, the objective check and the speed-up."""
+    env, model, data, check = (result[k] for k in ("environment", "model", "data", "check"))
+    runs = result["runs"]
+    padded = runs.get("padded", {}).get("median_seconds")
+    lines = [
+        f"{env['device_name']} ({_versions(env)}). Llama-style model, "
+        f"{model['parameters'] / 1e9:.2f}B parameters ({model['config']['num_hidden_layers']} "
+        f"layers, hidden {model['config']['hidden_size']}, vocabulary "
+        f"{model['config']['vocab_size']}), {model['dtype']} weights and AdamW state. Each step: "
+        f"{data['conversations_per_step']:.1f} conversations, {data['real_tokens_per_step']:.0f} "
+        f"real tokens ({data['target_tokens_per_step']:.0f} targets), packed in one row of "
+        f"{data['row_tokens']} tokens padded to a multiple of {data['pad_to_multiple']}; padded: "
+        f"micro-batches of {data['padded_batch']} conversations, "
+        f"{data['padded_tokens_per_step']:.0f} tokens with padding. {result['warmup_steps']} "
+        "warm-up steps per run, reported apart; steady state: median (p20-p80) of the other "
+        "steps; tokens/s counts real tokens only; slow steps: steady steps over twice the "
+        "median (recompiles); peak: allocated GPU memory over the run, weights, gradients and "
+        "optimiser state included.",
+        "",
+        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded | slow steps "
+        "| peak GiB | first-step loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs.values():
+        speed = "-"
+        if padded and "median_seconds" in run:
+            speed = f"{padded / run['median_seconds']:.2f}x"
+        tokens = f"{run['tokens_per_second']:,.0f}" if run.get("tokens_per_second") else "-"
+        peak = f"{run['peak_gib']:.1f}" if "peak_gib" in run else "-"
+        warmup = ", ".join(f"{s:.2f}" for s in run["warmup_seconds"]) or "-"
+        lines.append(
+            f"| {run['label']} | {run['attention']} | {warmup} | {_seconds(run)} | {tokens} "
+            f"| {speed} | {run.get('slow_steps', '-')} | {peak} | {run['losses'][0]:.4f} |"
+        )
+    lines += [
+        "",
+        f"- same objective, initial weights, {check['conversations']} conversations of the first "
+        f"step: each conversation's mean loss, packed row vs padded row, max relative "
+        f"difference {check['max_rel_diff_per_conversation']:.1e}; the step's loss "
+        f"{check['rel_diff_loss']:.1e}"
+        + (
+            f"; first training step's loss, packed run vs padded run, "
+            f"{check['rel_diff_first_step_loss']:.1e}"
+            if "rel_diff_first_step_loss" in check
+            else ""
+        )
+        + f" (tolerance {check['tolerance']:g}): {'passed' if check['passed'] else 'FAILED'}",
+        f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
+        f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
+    ]
+    for run, reason in result.get("skipped_runs", {}).items():
+        lines.append(f"- {run}: {reason}")
+    if "speedup_packed_over_padded" in result:
+        lines.append(
+            f"- packing at the same objective: {result['speedup_packed_over_padded']:.2f}x the "
+            "padded steady-state step rate"
         )
     return "\n".join(lines)
 
 
-def report(result: dict) -> str:
-    """Everything one run measured, the headline table last."""
-    parts = [f"## cross entropy benchmark ({result['mode']})", ceilings_line(result)]
-    if "configs" in result:
-        parts.append(configs_table(result))
-    if "sweep" in result:
-        parts.append(sweep_table(result))
-    if "headline" in result:
-        parts += [headline_summary(result), headline_table(result)]
-    return "\n\n".join(parts)
-
-
-def load_results(results_dir: Path = RESULTS_DIR, benchmark: str = "cross_entropy") -> list[dict]:
+def load_results(results_dir: Path, benchmark: str) -> list[dict]:
     """The newest full (else quick) result of ``benchmark`` for each device."""
     newest: dict[str, dict] = {}
     for path in sorted(Path(results_dir).glob("*.json")):
         result = json.loads(path.read_text())
-        if result.get("benchmark") != benchmark or "headline" not in result:
-            continue
-        if result["mode"] not in ("full", "quick"):  # smoke numbers mean nothing
-            continue
+        if result.get("benchmark") != benchmark or result.get("mode") not in ("full", "quick"):
+            continue  # smoke and tiny numbers mean nothing
         device = result["environment"]["device_name"]
         rank = (result["mode"] == "full", result["created"])
         kept = newest.get(device)
@@ -225,22 +467,23 @@ def load_results(results_dir: Path = RESULTS_DIR, benchmark: str = "cross_entrop
 
 
 def readme_section(results_dir: Path = RESULTS_DIR) -> str:
-    """The README's performance section, from the stored results."""
+    """The tables of ``benchmarks/README.md``, from the stored results, device by device."""
     parts = []
-    for result in load_results(results_dir):
+    for result in load_results(results_dir, "training"):
+        parts += [f"### Whole SFT steps, {result['environment']['device_name']}"]
+        parts.append(training_report(result))
+    for result in load_results(results_dir, "cross_entropy"):
+        if "headline" not in result:
+            continue
         parts.append(f"### cross_entropy, {result['environment']['device_name']}")
-        parts.append(ceilings_line(result))
-        parts += [headline_table(result), headline_summary(result)]
+        parts.append(cross_entropy_ceilings(result))
+        parts += [cross_entropy_headline(result), cross_entropy_targets(result)]
         if "sweep" in result:
-            parts.append(sweep_table(result))
-    fused = load_results(results_dir, "fused_linear")
-    if fused:
-        import bench_fused_linear  # imports torch and packed_ce: only when there is a result
-
-        for result in fused:
-            parts.append(f"### fused_linear_cross_entropy, {result['environment']['device_name']}")
-            # the report's first paragraph is its own title, replaced by the heading above
-            parts.append(bench_fused_linear.report(result).split("\n\n", 1)[1])
+            parts.append(cross_entropy_sweep(result))
+    for result in load_results(results_dir, "fused_linear"):
+        parts.append(f"### fused_linear_cross_entropy, {result['environment']['device_name']}")
+        # the report's first paragraph is its own title, replaced by the heading above
+        parts.append(fused_linear_report(result).split("\n\n", 1)[1])
     if not parts:
         parts.append("No benchmark results yet: run `make bench` on a GPU machine.")
     return "\n\n".join(parts)
@@ -256,14 +499,20 @@ def update_readme(readme: Path, section: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="README performance tables from the results")
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--readme", type=Path, help="write the section into this file")
+    parser = argparse.ArgumentParser(description="benchmarks/README.md tables from the results")
+    parser.add_argument("--results", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--readme", type=Path, default=README, help="file with the markers")
+    parser.add_argument("--print-only", action="store_true", help="print, write nothing")
     args = parser.parse_args()
     section = readme_section(args.results)
-    if args.readme:
+    if args.print_only:
+        print(section)
+        return
+    try:
         update_readme(args.readme, section)
-    print(section)
+    except (OSError, ValueError) as error:
+        sys.exit(f"make_tables: {error}")
+    print(f"wrote the tables into {args.readme}")
 
 
 if __name__ == "__main__":
