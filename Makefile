@@ -35,11 +35,13 @@ test: $(STAMP)
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -q -p no:cacheprovider -m cuda tests
 
-# On a CUDA machine: results (JSON + PNG) go to benchmarks/results/, then the README table.
+# On a CUDA machine: results (JSON + PNG) go to benchmarks/results/, then the tables of
+# benchmarks/README.md.
 bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_cross_entropy.py --out benchmarks/results
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_fused_linear.py --out benchmarks/results
-	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/make_tables.py --readme README.md
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_training.py --out benchmarks/results
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/make_tables.py
 
 notebook: $(STAMP)
 	$(PY) notebooks/execute.py
