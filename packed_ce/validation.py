@@ -172,6 +172,9 @@ def check_values(
     """
     if is_tracing():
         return
+    # In int64: compared in a narrow dtype, V and ignore_index would wrap (uint8: 300 -> 44,
+    # -100 -> 156), refusing valid labels and passing invalid ones.
+    labels = labels.to(torch.int64)
     bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
     flags = [bad_label]
     if cu_seqlens is not None:
