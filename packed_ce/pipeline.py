@@ -69,7 +69,13 @@ def run_loss(
     )
     vocab = logits_shape[-1]
     if options.validate and backend == "torch":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(
+            labels,
+            vocab,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            boundaries.num_items_in_batch,
+        )
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
@@ -77,5 +83,11 @@ def run_loss(
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     if options.validate and backend == "triton":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(
+            labels,
+            vocab,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            boundaries.num_items_in_batch,
+        )
     return (loss, z_loss) if options.return_z_loss else loss

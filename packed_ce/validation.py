@@ -13,6 +13,8 @@ Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tok
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .options import Boundaries
@@ -92,6 +94,10 @@ def check_arguments(
             raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be 1-D (S+1,), got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.numel() == 1 and labels.numel() > 0:
+            raise ValueError(
+                f"cu_seqlens must be [0, ..., N={labels.numel()}]: one entry holds no sequence"
+            )
         if cu_seqlens.device != logits_device:
             raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {name} on {logits_device}")
     if position_ids is not None:
@@ -111,7 +117,11 @@ def check_arguments(
 
 
 def check_num_items(num_items_in_batch) -> None:
-    """``num_items_in_batch`` is None, an int ``>= 0`` or a one-element tensor."""
+    """``num_items_in_batch`` is None, an int ``>= 0`` or a one-element tensor.
+
+    A Python number is checked here, always (a float, bool, NaN or inf is refused: the count is
+    an integer); a tensor's value lives on the device and is checked by :func:`check_values`.
+    """
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -120,7 +130,11 @@ def check_num_items(num_items_in_batch) -> None:
                 "num_items_in_batch must be an int or a 0-d tensor, "
                 f"got shape {tuple(num_items_in_batch.shape)}"
             )
-    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(
+                f"num_items_in_batch must be a real tensor, got {num_items_in_batch.dtype}"
+            )
+    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Integral):
         raise TypeError(
             "num_items_in_batch must be an int or a 0-d tensor, "
             f"got {type(num_items_in_batch).__name__}"
@@ -164,11 +178,15 @@ def check_values(
     vocab_size: int,
     ignore_index: int,
     cu_seqlens: torch.Tensor | None,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> None:
-    """Checks label range and ``cu_seqlens`` contents: one host sync on CUDA, one bool read.
+    """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
+    (finite, ``>= 0``): one host sync on CUDA, one bool read.
 
-    Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
-    kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
+    Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible, and
+    with ``validate=False``. Both backends then give the same defined result on bad values: an
+    out-of-range label gives a NaN loss, ``cu_seqlens`` is read as :func:`clamp_cu_seqlens`
+    makes it, and a negative or non-finite ``num_items_in_batch`` gives a NaN loss.
     """
     if is_tracing():
         return
@@ -184,6 +202,10 @@ def check_values(
             cu_seqlens[-1] != n,
             (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
         ]
+    count = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else None
+    if count is not None:
+        count = count.reshape(()).to(device=labels.device, dtype=torch.float64)
+        flags.append(~torch.isfinite(count) | (count < 0))
     # One transfer for all the checks; the detailed message is computed only on failure.
     failed = torch.stack(flags).cpu().tolist()
     if not any(failed):
@@ -194,6 +216,11 @@ def check_values(
             f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
         )
+    if count is not None and failed[-1]:
+        raise ValueError(
+            f"num_items_in_batch must be finite and >= 0, got {count.item()}: pass the number of "
+            "targets (or sequences with a target) of the optimiser step"
+        )
     cu = cu_seqlens.tolist()
     if failed[1]:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
@@ -201,3 +228,29 @@ def check_values(
         raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
     more = "..." if len(cu) > 16 else ""
     raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+
+
+def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``cu_seqlens`` made well formed, the way every backend reads it.
+
+    A valid ``cu_seqlens`` comes back equal. A malformed one (possible only where
+    :func:`check_values` was skipped) is clamped to ``[0, N]``, made non-decreasing by a running
+    maximum, and its first and last entries set to 0 and ``N``, so both backends compute the
+    same loss on it. A few tiny launches on ``(S+1,)`` values, no host sync.
+
+    Args:
+        cu_seqlens: ``(S+1,)`` int32/int64 with ``S + 1 >= 2`` unless ``num_tokens == 0``.
+        num_tokens: ``N``.
+
+    Returns:
+        ``(S+1,)`` tensor of ``cu_seqlens``' dtype and device.
+
+    Example:
+        >>> clamp_cu_seqlens(torch.tensor([2, 5, 3, 9]), 6)
+        tensor([0, 5, 5, 6])
+    """
+    clamped = torch.cummax(cu_seqlens.clamp(0, num_tokens), dim=0).values
+    clamped[0] = 0
+    if clamped.numel() > 1:
+        clamped[-1] = num_tokens
+    return clamped
