@@ -78,6 +78,14 @@ def cross_entropy(
     options, _ = split_keywords(keywords, options)
     backend = resolve_backend(options.backend, logits)
     boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch)
+    if options.inplace_backward and not logits.is_contiguous():
+        # an expanded (stride-0) or overlapping view would receive several rows' gradients in
+        # one place, and a strided one would be copied (nothing written where the caller looks)
+        raise ValueError(
+            "inplace_backward=True writes the gradient into the storage of logits, which must "
+            f"be contiguous (got shape {tuple(logits.shape)}, strides {logits.stride()}): "
+            "pass logits.contiguous() or inplace_backward=False"
+        )
 
     def run(prepared):
         if backend == "torch":

@@ -143,6 +143,19 @@ def check_num_items(num_items_in_batch) -> None:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
 
 
+def check_first_order(what: str, fix: str) -> None:
+    """RuntimeError inside a backward run with ``create_graph=True`` (grad mode is on there).
+
+    The kernels' gradients are computed outside autograd and carry no graph: a gradient of the
+    gradient would silently be missing, so it is refused at the first backward instead.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} gives first-order gradients only (its backward builds no graph), so "
+            f"create_graph=True cannot give a higher-order gradient: use {fix} for that"
+        )
+
+
 def check_linear(
     hidden: torch.Tensor,
     weight: torch.Tensor,
