@@ -20,7 +20,7 @@ from packed_ce.targets import count_normaliser, prepare_targets
 from loss_utils import (
     KERNEL_DEVICES,
     OPTION_SETS,
-    fresh_seed,
+    seed_for_test,
     random_packing,
     relative_error,
 )
@@ -59,7 +59,7 @@ def _loss_and_grad(fn, logits, upstream=None):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift, reduction, options, per_sequence_loss):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     vocab = 37
     packing = random_packing(gen, vocab, rows=3 if batched else None, row_len=24, n_tokens=60)
     logits = _logits(gen, packing.labels.shape, vocab, torch.float64, "cpu")
@@ -95,7 +95,7 @@ def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift
 )
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options, per_sequence_loss):
-    seed = fresh_seed()
+    seed = seed_for_test()
     gen = torch.Generator().manual_seed(seed)
     # alternate the layouts across the grid instead of multiplying it
     batched, boundary = seed % 2 == 0, ("cu", "pos")[(seed // 2) % 2]
@@ -139,7 +139,7 @@ def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction):
     """The one-launch targets/weights of the Triton path against the PyTorch path."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     # long sequences: several preparation blocks per sequence under the interpreter
     packing = random_packing(gen, 50, n_tokens=300, max_len=150, device=device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=is_packed, shift=shift, reduction=reduction)
@@ -152,7 +152,7 @@ def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction)
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("num_items", [7, "tensor"])
 def test_num_items_in_batch(device, num_items):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = _logits(gen, packing.labels.shape, V_UNALIGNED, torch.float32, device)
     if num_items == "tensor":
@@ -174,7 +174,7 @@ def test_num_items_in_batch(device, num_items):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("layout", ["strided_rows", "permuted_batch", "strided_columns"])
 def test_non_contiguous_inputs(device, layout):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, rows=2, row_len=16, device=device)
     base = torch.randn(2, 16, 2 * V_UNALIGNED, generator=gen).to(device)
     if layout == "strided_rows":  # row stride 2V, unit column stride: used as is
@@ -198,7 +198,7 @@ def test_non_contiguous_inputs(device, layout):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_inplace_backward(device, reduction, inplace):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction)
     logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
@@ -225,7 +225,7 @@ def test_float16_gradient_sees_the_loss_scale(device):
     A mean over many targets gives entries ~coef * p_j far below fp16's smallest subnormal
     (6e-8); computed for an upstream gradient of 1 and scaled later they would be lost.
     """
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     n = 64
     labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen).to(device)
     logits = (torch.randn(n, V_UNALIGNED, generator=gen) * 4).to(device, torch.float16)
@@ -262,7 +262,7 @@ BACKENDS = [
 @pytest.mark.parametrize("backend_device", BACKENDS)
 def test_uniform_logits_give_log_vocab(backend_device):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = torch.full((40, V_UNALIGNED), 0.25, device=device)
     if not (packing.labels != -100).any():
@@ -274,7 +274,7 @@ def test_uniform_logits_give_log_vocab(backend_device):
 @pytest.mark.parametrize("backend_device", BACKENDS)
 def test_row_constant_and_sequence_permutation_invariance(backend_device):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=48, device=device)
     logits = torch.randn(48, V_UNALIGNED, generator=gen).to(device)
     kwargs = dict(is_packed=True, shift=True, backend=backend)
@@ -302,7 +302,7 @@ def test_row_constant_and_sequence_permutation_invariance(backend_device):
 @pytest.mark.parametrize("boundary", ["cu", "pos"])
 def test_appending_a_sequence_without_targets_changes_nothing(backend_device, boundary):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
     logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
     extra = 9
@@ -343,7 +343,7 @@ def test_nothing_to_learn_gives_zero_not_nan(backend_device, reduction, case):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_none_with_long_ignored_runs_keeps_gradients(device):
     """A long ignored run must not zero the gradients of the targets after it."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     n = 64
     labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen)
     labels[4:52] = -100
@@ -359,7 +359,7 @@ def test_none_with_long_ignored_runs_keeps_gradients(device):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_return_z_loss(device):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = torch.randn(40, V_UNALIGNED, generator=gen).to(device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, return_z_loss=True)
@@ -375,7 +375,7 @@ def test_return_z_loss(device):
 
 
 def test_module_holds_options():
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 50, n_tokens=20)
     logits = torch.randn(20, 50, generator=gen)
     module = packed_ce.PackedCrossEntropyLoss(is_packed=True, shift=True, label_smoothing=0.1)
@@ -392,7 +392,7 @@ def test_module_holds_options():
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_compile_fullgraph(device):
     """torch.compile traces a function that calls the kernel without graph breaks."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=32, device=device)
     logits = torch.randn(32, V_UNALIGNED, generator=gen).to(device)
 
@@ -457,7 +457,7 @@ def test_chunk_options_and_unknown_keywords():
 
 
 def test_options_object_equals_keywords():
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 50, n_tokens=40)
     logits = torch.randn(40, 50, generator=gen)
     keywords = dict(is_packed=True, shift=True, label_smoothing=0.1, z_loss_scale=1e-3, softcap=4.0)
@@ -485,7 +485,7 @@ def test_options_object_equals_keywords():
 @pytest.mark.parametrize("shift", [True, False])
 def test_count_normaliser_is_what_mean_divides_by(boundary, is_packed, shift):
     """mean * D == sum, D counted independently: sequences with a target, or targets."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 30, n_tokens=80)
     boundaries = _boundaries(packing, boundary)
     options = LossOptions(is_packed=is_packed, shift=shift)
@@ -563,7 +563,7 @@ GPU_TOLERANCES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-5, 8e-3), (to
 def test_gpu_dtypes_against_fp32_reference(dtype, loss_rtol, grad_tol, vocab, reduction, options):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, vocab, rows=2, row_len=1024, max_len=300, device="cuda")
     logits = (torch.randn(2, 1024, vocab, generator=torch.Generator().manual_seed(1)) * 3).to("cuda", dtype)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction, **options)
@@ -589,7 +589,7 @@ def test_gpu_offsets_past_2_pow_31(inplace):
     """N * V > 2**31: row offsets must be 64-bit, or the last rows read and write wrong memory."""
     n, vocab = 16_500, 131_072  # 2.16e9 logits, 4.3 GB in bf16
     assert n * vocab > 2**31
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(seed_for_test())
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
     labels = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     labels[::7] = -100
