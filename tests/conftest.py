@@ -61,7 +61,8 @@ def per_sequence_loss(
         total = total + z_loss_scale * lse.square().sum()
         seq_sums.append(total)
         seq_counts.append(count)
-    zero = x_all.sum() * 0.0  # keeps the graph alive when nothing is a target
+    # keeps the graph alive when nothing is a target (-inf logits, masked entries, add 0 too)
+    zero = x_all.nan_to_num(neginf=0.0).sum() * 0.0
     if not seq_sums:
         return zero
     if is_packed:

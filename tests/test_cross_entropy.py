@@ -502,6 +502,212 @@ def test_count_normaliser_is_what_mean_divides_by(boundary, is_packed, shift):
     torch.testing.assert_close(mean * max(expected, 1), total)
 
 
+# --- edges: masked logits, narrow label dtypes, unchecked inputs, autograd's limits ---------
+
+# (backend, device, dtype, rtol against float64 math): the reference in float64 (exact up to
+# summation order), the kernel in float32 (its arithmetic: a few float32 ulps per term)
+EXACT_BACKENDS = [
+    pytest.param(("torch", "cpu", torch.float64, 1e-12), id="torch-fp64"),
+    *(
+        pytest.param(("triton", p.values[0], torch.float32, 2e-5), marks=p.marks, id=f"triton-{p.values[0]}")
+        for p in KERNEL_DEVICES
+    ),
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+@pytest.mark.parametrize("backend_dtype", EXACT_BACKENDS)
+def test_minus_inf_logits_are_masked_entries(backend_dtype, options, per_sequence_loss):
+    """-inf logits (a masked vocabulary entry): F.cross_entropy's loss, gradient 0 there.
+
+    With label smoothing the exact loss is +inf (the smoothing term averages every logit), and
+    both backends give +inf with F.cross_entropy's finite gradient; softcap maps -inf to
+    -softcap, so everything is finite.
+    """
+    backend, device, dtype, rtol = backend_dtype
+    gen = torch.Generator().manual_seed(seed_for_test())
+    vocab, masked = 50, [3, 49]
+    packing = random_packing(gen, vocab, n_tokens=24, max_len=8, device=device)
+    labels = packing.labels.clone()
+    labels[(labels == 3) | (labels == 49)] = 0  # a target is never a masked entry
+    logits = torch.randn(24, vocab, generator=gen, dtype=torch.float64) * 3
+    logits[:, masked] = float("-inf")
+    logits[5, 10:20] = float("-inf")  # and a row with more of them
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, **options)
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, labels, backend=backend, **kwargs), logits.to(device, dtype)
+    )
+    ref_loss, ref_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels.cpu(), packing.slices, is_packed=True, shift=False, **options), logits
+    )
+    assert bool(torch.isfinite(ref_loss)) == (options.get("label_smoothing", 0) == 0 or "softcap" in options)
+    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=rtol, atol=0)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=rtol, atol=rtol * ref_grad.abs().max())
+    if not options.get("label_smoothing"):
+        assert (grad[:, masked] == 0).all()
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize(
+    "dtype,vocab,ignore_index",
+    [
+        (torch.uint8, 300, -100),  # 250 is a valid label; -100 cannot occur
+        (torch.uint8, 200, 255),  # ignore_index 255 in the labels' own range
+        (torch.int8, 300, -100),
+        (torch.int16, 40000, -100),  # V past int16's range
+    ],
+    ids=["uint8-V300", "uint8-ignore255", "int8-V300", "int16-V40000"],
+)
+def test_narrow_label_dtypes_are_checked_as_integers(backend_device, dtype, vocab, ignore_index):
+    """Labels are range-checked as integers, not in their own dtype (where V and ignore_index
+    wrap: uint8 reads V=300 as 44 and -100 as 156)."""
+    backend, device = backend_device
+    top = min(torch.iinfo(dtype).max, vocab - 1)
+    # the dtype's largest value, and ignore_index where the dtype can hold it
+    third = ignore_index if torch.iinfo(dtype).min <= ignore_index <= torch.iinfo(dtype).max else 0
+    labels = torch.tensor([top, 5, third, top], dtype=torch.int64)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    expected = packed_ce.cross_entropy(logits, labels.to(device), ignore_index=ignore_index, backend="torch")
+    narrow = labels.to(device, dtype)
+    actual = packed_ce.cross_entropy(logits, narrow, ignore_index=ignore_index, backend=backend)
+    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=0)
+    if vocab <= torch.iinfo(dtype).max:
+        bad = narrow.clone()
+        bad[1] = vocab  # out of range, representable in the dtype
+        with pytest.raises(ValueError, match="labels"):
+            packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+    if dtype != torch.uint8:
+        bad = narrow.clone()
+        bad[1] = -1
+        with pytest.raises(ValueError, match="labels"):
+            packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize(
+    "cu_seqlens,read_as",
+    [
+        ([2, 4, 6], [0, 4, 6]),  # not starting at 0
+        ([0, 3, 5], [0, 3, 6]),  # not ending at N
+        ([0, 4, 2, 6], [0, 4, 4, 6]),  # decreasing: a running maximum
+        ([0, -3, 3, 9], [0, 0, 3, 6]),  # values outside [0, N]
+    ],
+    ids=["from-2", "to-5", "decreasing", "out-of-range"],
+)
+def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, read_as, per_sequence_loss):
+    """validate=False: a malformed cu_seqlens is read clamped (documented) on both backends."""
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(seed_for_test())
+    logits = torch.randn(6, 13, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6])
+    kwargs = dict(is_packed=True, shift=True, reduction="mean")
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_ce.cross_entropy(logits.float().to(device), labels.to(device), cu_seqlens=cu, backend=backend, **kwargs)
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, labels.to(device), cu_seqlens=cu, backend=backend, validate=False, **kwargs),
+        logits.float().to(device),
+    )
+    slices = list(zip(read_as[:-1], read_as[1:]))
+    ref_loss, ref_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels, slices, is_packed=True, shift=True), logits
+    )
+    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=2e-5, atol=0)  # float32 math
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("value", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+def test_bad_tensor_num_items(backend_device, value):
+    """A negative or non-finite tensor num_items_in_batch: an error when validated, NaN (never a
+    loss of 0 or of the wrong sign) where its value is not read on the host."""
+    backend, device = backend_device
+    logits = torch.randn(4, 9, device=device, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, 4], device=device)
+    count = torch.tensor(value, device=device)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend)
+    loss = packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend, validate=False)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(logits.grad).all()
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), (float("nan"), TypeError), (float("inf"), TypeError), (True, TypeError), (2.0, TypeError)])
+def test_bad_python_num_items_refused_even_unvalidated(value, error):
+    with pytest.raises(error, match="num_items_in_batch"):
+        packed_ce.cross_entropy(torch.randn(2, 5), torch.tensor([1, 2]), num_items_in_batch=value, validate=False)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("layout", ["expanded", "transposed"])
+def test_inplace_backward_refuses_storage_it_cannot_own(backend_device, layout):
+    """inplace_backward=True writes the gradient where the logits live: an expanded (stride 0)
+    view would get the rows' gradients on top of each other, a strided one would be copied."""
+    backend, device = backend_device
+    base = torch.randn(1, 7, device=device) if layout == "expanded" else torch.randn(7, 4, device=device)
+    logits = base.expand(4, 7) if layout == "expanded" else base.t()
+    labels = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(ValueError, match="inplace_backward.*contiguous"):
+        packed_ce.cross_entropy(logits, labels, backend=backend, inplace_backward=True)
+    # without it the same input is fine, and its gradient exact
+    x = base.clone().requires_grad_()
+    view = x.expand(4, 7) if layout == "expanded" else x.t()
+    packed_ce.cross_entropy(view, labels, backend=backend).backward()
+    y = base.clone().double().requires_grad_()
+    view = y.expand(4, 7) if layout == "expanded" else y.t()
+    torch.nn.functional.cross_entropy(view, labels).backward()
+    torch.testing.assert_close(x.grad.double(), y.grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("path", ["fused", "none", "fp16"])
+def test_inplace_backward_invalidates_other_readers(device, path):
+    """Another node that saved the logits for its backward raises PyTorch's in-place error
+    instead of reading the gradient the kernel wrote over them."""
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    leaf = torch.randn(4, 9, device=device, dtype=dtype, requires_grad=True)
+    logits = leaf * 1.0
+    other = logits.sin()  # sin saves its input for the backward
+    reduction = "none" if path == "none" else "mean"
+    loss = packed_ce.cross_entropy(logits, torch.tensor([0, 1, 2, 3], device=device), backend="triton", inplace_backward=True, reduction=reduction)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss.sum() + other.sum()).backward()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_higher_order_gradients_refused_on_the_kernel(device, reduction):
+    """create_graph=True: the kernel's gradient has no graph, so the call is refused."""
+    logits = torch.randn(4, 9, device=device, requires_grad=True)
+    loss = packed_ce.cross_entropy(logits, torch.tensor([0, 1, 2, 3], device=device), backend="triton", reduction=reduction)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss.sum(), logits, create_graph=True)
+
+
+def test_higher_order_gradients_on_the_reference():
+    """The torch backend is plain autograd: the Hessian-vector product matches F.cross_entropy's."""
+    logits = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, 3])
+    hvps = []
+    for fn in (lambda x: packed_ce.cross_entropy(x, labels, backend="torch"), lambda x: torch.nn.functional.cross_entropy(x, labels)):
+        (grad,) = torch.autograd.grad(fn(logits), logits, create_graph=True)
+        hvps.append(torch.autograd.grad(grad.square().sum(), logits)[0])
+    torch.testing.assert_close(hvps[0], hvps[1])
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("path", ["fused", "none", "fp16"])
+def test_second_backward_refused_on_every_kernel_path(device, path):
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    logits = torch.randn(4, 50, device=device, dtype=dtype, requires_grad=True)
+    reduction = "none" if path == "none" else "mean"
+    loss = packed_ce.cross_entropy(logits * 1.0, torch.tensor([1, 2, 3, 4], device=device), backend="triton", reduction=reduction).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 
