@@ -397,16 +397,68 @@ def test_no_gradient_work_without_grad_mode(backend_case, monkeypatch):
     assert relative_error(loss, expected) < tol
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_second_backward_is_refused(device):
+# (backend, device): every path of the chunk loop, the reference's and the kernel's
+AUTOGRAD_BACKENDS = [
+    pytest.param(("torch", "cpu"), id="torch"),
+    *(pytest.param(("triton", p.values[0]), marks=p.marks, id=f"triton-{p.values[0]}") for p in KERNEL_DEVICES),
+]
+
+
+@pytest.mark.parametrize("backend_device", AUTOGRAD_BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"], ids=["fused-grad", "recompute"])
+def test_second_backward_is_refused(backend_device, reduction):
+    """One backward per forward on every path (the gradients of "mean" are scaled in place)."""
+    backend, device = backend_device
     hidden = torch.randn(6, H, device=device, requires_grad=True)
     weight = torch.randn(V, H, device=device)
     loss = fused_linear_cross_entropy(
-        hidden, weight, torch.arange(6, device=device), backend="triton", chunk_size=4
-    )
+        hidden, weight, torch.arange(6, device=device), backend=backend, chunk_size=4, reduction=reduction
+    ).sum()
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("backend_device", AUTOGRAD_BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"], ids=["fused-grad", "recompute"])
+def test_higher_order_gradients_are_refused(backend_device, reduction):
+    """create_graph=True: the chunked gradients have no graph, so the call is refused."""
+    backend, device = backend_device
+    hidden = torch.randn(6, H, device=device, requires_grad=True)
+    weight = torch.randn(V, H, device=device, requires_grad=True)
+    loss = fused_linear_cross_entropy(
+        hidden, weight, torch.arange(6, device=device), backend=backend, reduction=reduction
+    ).sum()
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss, (hidden, weight), create_graph=True)
+
+
+@pytest.mark.parametrize("backend_case", BACKENDS)
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+def test_minus_inf_bias_masks_a_class(backend_case, options):
+    """A -inf bias entry (a masked class): the unfused float64 loss and gradients, whose entries
+    for that class are 0 (+inf loss under label smoothing, as the unfused definition)."""
+    backend, device, dtype, tol = backend_case
+    gen = torch.Generator().manual_seed(seed_for_test())
+    n = 17
+    packing = random_packing(gen, V, n_tokens=n, device=device)
+    labels = torch.where(packing.labels == 5, 0, packing.labels)  # no target is masked
+    inputs = list(_inputs(gen, (n,), V, torch.float64, "cpu"))
+    inputs[2][5] = float("-inf")
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, chunk_size=CHUNK, **options)
+    loss, grads = _loss_and_grads(
+        _fused(labels, backend=backend, **kwargs), [t.to(device, dtype) for t in inputs]
+    )
+    kwargs.pop("chunk_size")
+    ref_loss, ref_grads = _loss_and_grads(
+        _explicit(labels.cpu(), backend="torch", **{**kwargs, "cu_seqlens": packing.cu_seqlens.cpu()}), inputs
+    )
+    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=tol, atol=0)
+    for grad, ref in zip(grads, ref_grads):
+        assert torch.isfinite(grad).all()
+        assert relative_error(grad.cpu(), ref) < tol
+    if not options.get("label_smoothing"):
+        assert (grads[1][5] == 0).all() and grads[2][5] == 0
 
 
 # --- the weight-gradient accumulator ------------------------------------------------------
