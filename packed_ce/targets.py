@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
-from .validation import clamp_cu_seqlens
+from .validation import check_labels, check_tensor, clamp_cu_seqlens
 
 
 @dataclass
@@ -161,8 +161,11 @@ def count_normaliser(
         >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=LossOptions(shift=True))
         tensor(3)
     """
-    boundaries = _clamped(Boundaries(cu_seqlens=cu_seqlens, position_ids=position_ids), labels)
-    options = options if options is not None else LossOptions()
+    check_tensor("labels", labels)
+    options, _ = split_keywords({}, options)
+    boundaries = Boundaries(cu_seqlens=cu_seqlens, position_ids=position_ids)
+    check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
+    boundaries = _clamped(boundaries, labels)
     return _targets_and_weights(labels, boundaries, options, torch.float32)[2]
 
 

@@ -70,15 +70,38 @@ def check_arguments(
     check_tensor("labels", labels)
     if logits_dtype not in allowed:
         raise TypeError(f"{name} must have dtype in {allowed}, got {logits_dtype}")
-    if labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"{name} must be (N, V) or (B, T, V), got shape {tuple(logits_shape)}")
+    if logits_shape[-1] < 1:
+        raise ValueError(f"{name} must have a vocabulary of V >= 1 classes, got shape {tuple(logits_shape)}")
     if tuple(labels.shape) != tuple(logits_shape[:-1]):
         raise ValueError(
             f"labels must have shape {tuple(logits_shape[:-1])} to match {name} "
             f"{tuple(logits_shape)}, got {tuple(labels.shape)}"
         )
+    check_labels(labels, boundaries, is_packed=is_packed, device=logits_device, name=name)
+
+
+def check_labels(
+    labels: torch.Tensor,
+    boundaries: Boundaries,
+    *,
+    is_packed: bool,
+    device: torch.device,
+    name: str = "logits",
+) -> None:
+    """The labels and the per-call tensors beside them, from metadata (free).
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer.
+        boundaries: the call's :class:`packed_ce.options.Boundaries`.
+        is_packed: the option of that name (it needs boundaries).
+        device: where the labels and boundaries must be (the logits'), called ``name``.
+    """
+    check_tensor("labels", labels)
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    logits_device = device
     if labels.device != logits_device:
         raise ValueError(f"labels are on {labels.device} but {name} on {logits_device}")
     cu_seqlens, position_ids = boundaries.cu_seqlens, boundaries.position_ids
@@ -113,7 +136,12 @@ def check_arguments(
             raise ValueError(
                 f"position_ids is on {position_ids.device} but {name} on {logits_device}"
             )
-    check_num_items(boundaries.num_items_in_batch)
+    count = boundaries.num_items_in_batch
+    check_num_items(count)
+    # a CPU count is read wherever the labels are (transformers may pass one); any other device
+    # than the labels' is a mistake
+    if isinstance(count, torch.Tensor) and count.device not in (logits_device, torch.device("cpu")):
+        raise ValueError(f"num_items_in_batch is on {count.device} but {name} on {logits_device}")
 
 
 def check_num_items(num_items_in_batch) -> None:
@@ -201,7 +229,7 @@ def check_values(
     out-of-range label gives a NaN loss, ``cu_seqlens`` is read as :func:`clamp_cu_seqlens`
     makes it, and a negative or non-finite ``num_items_in_batch`` gives a NaN loss.
     """
-    if is_tracing():
+    if is_tracing() or labels.device.type == "meta":  # meta tensors have no values to check
         return
     # In int64: compared in a narrow dtype, V and ignore_index would wrap (uint8: 300 -> 44,
     # -100 -> 156), refusing valid labels and passing invalid ones.
