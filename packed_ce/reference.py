@@ -44,7 +44,10 @@ def token_losses(
         x = options.softcap * torch.tanh(x / options.softcap)
     lse = torch.logsumexp(x, dim=-1)
     valid = targets != options.ignore_index
-    safe_targets = torch.where(valid, targets, 0)
+    # A label outside [0, V) (possible only unvalidated) gives NaN, as in the kernel, instead of
+    # an indexing error here
+    in_range = (targets >= 0) & (targets < x.shape[-1])
+    safe_targets = torch.where(valid & in_range, targets, 0)
     x_target = x.gather(-1, safe_targets[:, None]).squeeze(-1)
     eps = options.label_smoothing
     # l_t = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j]) + z * lse^2
@@ -55,6 +58,7 @@ def token_losses(
     if eps != 0.0:
         loss = (1.0 - eps) * loss + eps * (lse - x.mean(dim=-1))
     z_term = options.z_loss_scale * lse.square()
+    loss = torch.where(in_range, loss, float("nan"))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(valid, loss + z_term, zero), torch.where(valid, z_term, zero)
 

@@ -215,6 +215,7 @@ def prepare_targets(
         tensors = {name: keywords.pop(name) for name in BOUNDARY_FIELDS & set(keywords)}
         boundaries = Boundaries(**tensors) if tensors else boundaries
         options, _ = split_keywords(keywords, options)
+    labels = labels.contiguous()  # the kernels read labels and targets as dense (N,) arrays
     boundaries = _clamped(boundaries if boundaries is not None else Boundaries(), labels)
     options = options if options is not None else LossOptions()
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
