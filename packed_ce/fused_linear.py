@@ -82,8 +82,11 @@ def fused_linear_cross_entropy(
         ``return_z_loss`` the pair ``(loss, z_loss)``. Gradients have their inputs' dtypes.
 
     Raises:
-        ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy`, and for
-        mismatched ``hidden``/``weight``/``bias`` shapes, dtypes or devices.
+        ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy` (which
+        also says what is checked when, and what unchecked bad values give: the same here), and
+        for mismatched ``hidden``/``weight``/``bias`` shapes, dtypes or devices. RuntimeError
+        for a second backward through one call and for ``create_graph=True``, on both backends
+        (the gradients are computed in the chunk loop, outside autograd's graph).
 
     Example:
         >>> import torch, packed_ce

@@ -152,6 +152,12 @@ def count_normaliser(
     Returns:
         0-d int64 tensor on the labels' device.
 
+    Raises:
+        TypeError / ValueError naming the argument, for what metadata tells (types, shapes,
+        devices, both or no boundaries with ``is_packed``). The contents of ``cu_seqlens`` are
+        not checked (that would be a host sync): a malformed one is counted as the loss reads
+        it unvalidated (:func:`packed_ce.validation.clamp_cu_seqlens`).
+
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
         >>> cu_seqlens = torch.tensor([0, 2, 4, 7], dtype=torch.int32)
