@@ -617,6 +617,28 @@ def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, r
     torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence_loss):
+    """Under torch.compile the value checks are skipped: a malformed cu_seqlens is read clamped
+    and a NaN count gives NaN, as in eager mode with validate=False, on both backends."""
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(seed_for_test()), dtype=torch.float64)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
+    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)  # read as [0, 4, 4, 6]
+    expected = per_sequence_loss(logits, labels.cpu(), [(0, 4), (4, 4), (4, 6)], is_packed=True, shift=True)
+    for backend in ("torch", "triton"):
+
+        def step(x, count):
+            loss = packed_ce.cross_entropy(x, labels, cu_seqlens=cu, is_packed=True, shift=True, backend=backend)
+            nan = packed_ce.cross_entropy(x, labels, num_items_in_batch=count, backend=backend)
+            return loss, nan
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        loss, nan = compiled(logits.float().to(device), torch.tensor(float("nan"), device=device))
+        torch.testing.assert_close(loss.cpu().double(), expected, rtol=2e-5, atol=0)  # float32 math
+        assert torch.isnan(nan)
+
+
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("value", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 def test_bad_tensor_num_items(backend_device, value):
