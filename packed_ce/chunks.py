@@ -47,7 +47,7 @@ import torch
 from .options import ChunkOptions, LossOptions
 from .reference import compute_dtype, token_losses
 from .targets import Targets
-from .validation import is_tracing
+from .validation import check_first_order, is_tracing
 
 # Bytes of one chunk of logits. 256 MiB is 1024 rows at V=128256 in bf16: the GEMMs keep
 # M = C >= 1024 rows (full tiles, efficient), while the chunk stays a small fraction of the
@@ -390,14 +390,19 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_z: torch.Tensor):
+        check_first_order(
+            "packed_ce.fused_linear_cross_entropy",
+            "cross_entropy(F.linear(hidden, weight, bias), ..., backend='torch')",
+        )
+        if ctx.backward_done:
+            # The fused gradients are scaled in place: a second backward would scale them twice.
+            # The recompute path ("none", fp16) refuses too, so that every path behaves alike.
+            raise RuntimeError(
+                "packed_ce.fused_linear_cross_entropy supports one backward per forward; "
+                "recompute the loss instead of retain_graph=True"
+            )
+        ctx.backward_done = True
         if ctx.fused:
-            if ctx.backward_done:
-                # the gradients are scaled in place: a second backward would scale them twice
-                raise RuntimeError(
-                    "packed_ce.fused_linear_cross_entropy supports one backward per forward; "
-                    "recompute the loss instead of retain_graph=True"
-                )
-            ctx.backward_done = True
             grads = ctx.saved_tensors
             # d(g L)/d. = g dL/d.: rescale the gradients computed for g = 1 (free when g == 1)
             for grad in grads:

@@ -63,8 +63,23 @@ def cross_entropy(
     Raises:
         ValueError / TypeError naming the argument, for an unknown keyword, an option of the
         wrong type or out of range (NaN and infinite floats included), labels outside
-        ``[0, V)`` other than ``ignore_index``, malformed ``cu_seqlens``, mismatched shapes or
-        ``is_packed=True`` without boundaries.
+        ``[0, V)`` other than ``ignore_index``, malformed ``cu_seqlens``, a negative or
+        non-finite ``num_items_in_batch`` (a Python number must be an int), mismatched shapes,
+        ``is_packed=True`` without boundaries, or ``inplace_backward=True`` with logits that
+        are not contiguous. RuntimeError for a second backward through one call on the Triton
+        backend (its gradient is scaled in place) and for ``create_graph=True`` there (its
+        gradient has no graph); the torch backend is plain autograd and allows both.
+
+    What is checked when: types, shapes, dtypes, devices, options and a Python-number
+    ``num_items_in_batch`` always, on the host, for free. The values on the device (label range,
+    ``cu_seqlens`` contents, a tensor ``num_items_in_batch``) only with ``validate=True`` outside
+    ``torch.compile`` and CUDA-graph capture (one host sync). Unchecked, both backends give the
+    same result on bad values: NaN for an out-of-range label and for a negative or non-finite
+    ``num_items_in_batch``; ``cu_seqlens`` read clamped to ``[0, N]``, made non-decreasing and
+    from 0 to ``N`` (:func:`packed_ce.validation.clamp_cu_seqlens`).
+
+    A ``-inf`` logit (a masked entry) gives ``F.cross_entropy``'s finite loss and a zero
+    gradient there on both backends; with ``label_smoothing > 0`` the exact loss is ``+inf``.
 
     Example:
         >>> import torch, packed_ce
@@ -78,6 +93,14 @@ def cross_entropy(
     options, _ = split_keywords(keywords, options)
     backend = resolve_backend(options.backend, logits)
     boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch)
+    if options.inplace_backward and not logits.is_contiguous():
+        # an expanded (stride-0) or overlapping view would receive several rows' gradients in
+        # one place, and a strided one would be copied (nothing written where the caller looks)
+        raise ValueError(
+            "inplace_backward=True writes the gradient into the storage of logits, which must "
+            f"be contiguous (got shape {tuple(logits.shape)}, strides {logits.stride()}): "
+            "pass logits.contiguous() or inplace_backward=False"
+        )
 
     def run(prepared):
         if backend == "torch":

@@ -6,6 +6,8 @@ in :mod:`packed_ce.chunks`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -19,7 +21,8 @@ from .validation import allowed_dtypes, check_linear, check_tensor
 def _autocast(hidden, weight, bias):
     """The casts ``F.linear`` gets under ``torch.autocast``: float32 to the autocast dtype."""
     device_type = hidden.device.type
-    if not torch.is_autocast_enabled(device_type):
+    # meta tensors (shape inference) have no autocast, and asking about it raises
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(
@@ -79,8 +82,11 @@ def fused_linear_cross_entropy(
         ``return_z_loss`` the pair ``(loss, z_loss)``. Gradients have their inputs' dtypes.
 
     Raises:
-        ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy`, and for
-        mismatched ``hidden``/``weight``/``bias`` shapes, dtypes or devices.
+        ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy` (which
+        also says what is checked when, and what unchecked bad values give: the same here), and
+        for mismatched ``hidden``/``weight``/``bias`` shapes, dtypes or devices. RuntimeError
+        for a second backward through one call and for ``create_graph=True``, on both backends
+        (the gradients are computed in the chunk loop, outside autograd's graph).
 
     Example:
         >>> import torch, packed_ce
@@ -102,7 +108,7 @@ def fused_linear_cross_entropy(
     backend = resolve_backend(options.backend, hidden)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     check_linear(hidden, weight, bias, allowed_dtypes(backend))
-    rows = hidden.reshape(-1, hidden.shape[-1])
+    rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # H = 0 too
     return run_loss(
         lambda prepared: chunked_loss(
             rows,

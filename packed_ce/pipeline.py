@@ -67,9 +67,16 @@ def run_loss(
         allowed=allowed_dtypes(backend),
         name=name,
     )
-    vocab = logits_shape[-1]
+    # what check_values reads (label range, cu_seqlens contents, a tensor count's value)
+    values = (
+        labels,
+        logits_shape[-1],
+        options.ignore_index,
+        boundaries.cu_seqlens,
+        boundaries.num_items_in_batch,
+    )
     if options.validate and backend == "torch":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(*values)
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
@@ -77,5 +84,5 @@ def run_loss(
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     if options.validate and backend == "triton":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(*values)
     return (loss, z_loss) if options.return_z_loss else loss

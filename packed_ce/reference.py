@@ -30,6 +30,11 @@ def token_losses(
         targets: ``(N,)`` int64 target class, or ``options.ignore_index``.
         options: read for ``ignore_index``, ``label_smoothing``, ``z_loss_scale``, ``softcap``.
 
+    A ``-inf`` logit (a masked entry) is an exact zero of the softmax: finite loss and zero
+    gradient there, as ``F.cross_entropy`` gives; with ``label_smoothing > 0`` the loss of its
+    row is ``+inf`` (the smoothing term averages every logit), with the finite gradient
+    ``eps * (p_j - 1 / V)``.
+
     Returns:
         ``(l, z)``, both ``(N,)`` in the compute dtype (float64 for float64 logits, else
         float32), with ``l`` including the z-term and both 0 where there is no target.
@@ -39,12 +44,21 @@ def token_losses(
         x = options.softcap * torch.tanh(x / options.softcap)
     lse = torch.logsumexp(x, dim=-1)
     valid = targets != options.ignore_index
-    safe_targets = torch.where(valid, targets, 0)
+    # A label outside [0, V) (possible only unvalidated) gives NaN, as in the kernel, instead of
+    # an indexing error here
+    in_range = (targets >= 0) & (targets < x.shape[-1])
+    safe_targets = torch.where(valid & in_range, targets, 0)
     x_target = x.gather(-1, safe_targets[:, None]).squeeze(-1)
     eps = options.label_smoothing
     # l_t = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j]) + z * lse^2
-    loss = (1.0 - eps) * (lse - x_target) + eps * (lse - x.mean(dim=-1))
+    loss = lse - x_target
+    # Each term only where its weight is nonzero: with a -inf logit (a masked vocabulary entry)
+    # lse - mean_j x[j] is +inf, and 0 * inf would turn the finite loss of eps == 0 into NaN.
+    # With eps > 0 the loss is +inf, as the formula says (the kernel gives the same).
+    if eps != 0.0:
+        loss = (1.0 - eps) * loss + eps * (lse - x.mean(dim=-1))
     z_term = options.z_loss_scale * lse.square()
+    loss = torch.where(in_range, loss, float("nan"))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(valid, loss + z_term, zero), torch.where(valid, z_term, zero)
 

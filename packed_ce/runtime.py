@@ -33,9 +33,11 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     if backend == "triton":
         if not TRITON_AVAILABLE:
             raise ValueError("backend='triton' needs the triton package, which is not installed")
-        if not tensor.is_cuda and not interpreting():
+        on_cpu_interpreted = tensor.device.type == "cpu" and interpreting()
+        if not tensor.is_cuda and not on_cpu_interpreted:
             raise ValueError(
-                "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                "importing packed_ce to run the kernel on CPU tensors through the interpreter"
+                f"backend='triton' needs CUDA tensors (got {tensor.device.type}), or "
+                "TRITON_INTERPRET=1 set before importing packed_ce to run the kernel on CPU "
+                "tensors through the interpreter"
             )
     return backend

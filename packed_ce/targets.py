@@ -17,11 +17,13 @@ Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
+from .validation import check_labels, check_tensor, clamp_cu_seqlens
 
 
 @dataclass
@@ -37,6 +39,14 @@ class Targets:
 
     targets: torch.Tensor
     coef: torch.Tensor
+
+
+def _clamped(boundaries: Boundaries, labels: torch.Tensor) -> Boundaries:
+    """``boundaries`` with ``cu_seqlens`` as every backend reads it (:func:`clamp_cu_seqlens`)."""
+    if boundaries.cu_seqlens is None:
+        return boundaries
+    cu_seqlens = clamp_cu_seqlens(boundaries.cu_seqlens, labels.numel())
+    return dataclasses.replace(boundaries, cu_seqlens=cu_seqlens)
 
 
 def sequence_ids(
@@ -142,6 +152,12 @@ def count_normaliser(
     Returns:
         0-d int64 tensor on the labels' device.
 
+    Raises:
+        TypeError / ValueError naming the argument, for what metadata tells (types, shapes,
+        devices, both or no boundaries with ``is_packed``). The contents of ``cu_seqlens`` are
+        not checked (that would be a host sync): a malformed one is counted as the loss reads
+        it unvalidated (:func:`packed_ce.validation.clamp_cu_seqlens`).
+
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
         >>> cu_seqlens = torch.tensor([0, 2, 4, 7], dtype=torch.int32)
@@ -151,8 +167,11 @@ def count_normaliser(
         >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=LossOptions(shift=True))
         tensor(3)
     """
+    check_tensor("labels", labels)
+    options, _ = split_keywords({}, options)
     boundaries = Boundaries(cu_seqlens=cu_seqlens, position_ids=position_ids)
-    options = options if options is not None else LossOptions()
+    check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
+    boundaries = _clamped(boundaries, labels)
     return _targets_and_weights(labels, boundaries, options, torch.float32)[2]
 
 
@@ -202,7 +221,8 @@ def prepare_targets(
         tensors = {name: keywords.pop(name) for name in BOUNDARY_FIELDS & set(keywords)}
         boundaries = Boundaries(**tensors) if tensors else boundaries
         options, _ = split_keywords(keywords, options)
-    boundaries = boundaries if boundaries is not None else Boundaries()
+    labels = labels.contiguous()  # the kernels read labels and targets as dense (N,) arrays
+    boundaries = _clamped(boundaries if boundaries is not None else Boundaries(), labels)
     options = options if options is not None else LossOptions()
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
     if (
@@ -234,6 +254,9 @@ def prepare_targets(
             # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
             num_items = torch.full((), float(num_items), device=labels.device)
     num_items = num_items.to(dtype)
-    # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0.
+    # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0. A negative or
+    # non-finite D (a tensor whose value was not checked: validate=False, tracing) gives NaN,
+    # the same on every backend, rather than a loss of 0 or of the wrong sign.
     scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
+    scale = torch.where(torch.isfinite(num_items) & (num_items >= 0), scale, float("nan"))
     return Targets(targets=targets, coef=weight * scale)

@@ -13,6 +13,8 @@ Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tok
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from .options import Boundaries
@@ -68,15 +70,38 @@ def check_arguments(
     check_tensor("labels", labels)
     if logits_dtype not in allowed:
         raise TypeError(f"{name} must have dtype in {allowed}, got {logits_dtype}")
-    if labels.dtype not in LABEL_DTYPES:
-        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"{name} must be (N, V) or (B, T, V), got shape {tuple(logits_shape)}")
+    if logits_shape[-1] < 1:
+        raise ValueError(f"{name} must have a vocabulary of V >= 1 classes, got shape {tuple(logits_shape)}")
     if tuple(labels.shape) != tuple(logits_shape[:-1]):
         raise ValueError(
             f"labels must have shape {tuple(logits_shape[:-1])} to match {name} "
             f"{tuple(logits_shape)}, got {tuple(labels.shape)}"
         )
+    check_labels(labels, boundaries, is_packed=is_packed, device=logits_device, name=name)
+
+
+def check_labels(
+    labels: torch.Tensor,
+    boundaries: Boundaries,
+    *,
+    is_packed: bool,
+    device: torch.device,
+    name: str = "logits",
+) -> None:
+    """The labels and the per-call tensors beside them, from metadata (free).
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer.
+        boundaries: the call's :class:`packed_ce.options.Boundaries`.
+        is_packed: the option of that name (it needs boundaries).
+        device: where the labels and boundaries must be (the logits'), called ``name``.
+    """
+    check_tensor("labels", labels)
+    if labels.dtype not in LABEL_DTYPES:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    logits_device = device
     if labels.device != logits_device:
         raise ValueError(f"labels are on {labels.device} but {name} on {logits_device}")
     cu_seqlens, position_ids = boundaries.cu_seqlens, boundaries.position_ids
@@ -92,6 +117,10 @@ def check_arguments(
             raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be 1-D (S+1,), got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.numel() == 1 and labels.numel() > 0:
+            raise ValueError(
+                f"cu_seqlens must be [0, ..., N={labels.numel()}]: one entry holds no sequence"
+            )
         if cu_seqlens.device != logits_device:
             raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {name} on {logits_device}")
     if position_ids is not None:
@@ -107,11 +136,20 @@ def check_arguments(
             raise ValueError(
                 f"position_ids is on {position_ids.device} but {name} on {logits_device}"
             )
-    check_num_items(boundaries.num_items_in_batch)
+    count = boundaries.num_items_in_batch
+    check_num_items(count)
+    # a CPU count is read wherever the labels are (transformers may pass one); any other device
+    # than the labels' is a mistake
+    if isinstance(count, torch.Tensor) and count.device not in (logits_device, torch.device("cpu")):
+        raise ValueError(f"num_items_in_batch is on {count.device} but {name} on {logits_device}")
 
 
 def check_num_items(num_items_in_batch) -> None:
-    """``num_items_in_batch`` is None, an int ``>= 0`` or a one-element tensor."""
+    """``num_items_in_batch`` is None, an int ``>= 0`` or a one-element tensor.
+
+    A Python number is checked here, always (a float, bool, NaN or inf is refused: the count is
+    an integer); a tensor's value lives on the device and is checked by :func:`check_values`.
+    """
     if num_items_in_batch is None:
         return
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -120,13 +158,30 @@ def check_num_items(num_items_in_batch) -> None:
                 "num_items_in_batch must be an int or a 0-d tensor, "
                 f"got shape {tuple(num_items_in_batch.shape)}"
             )
-    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
+        if num_items_in_batch.dtype == torch.bool or num_items_in_batch.is_complex():
+            raise TypeError(
+                f"num_items_in_batch must be a real tensor, got {num_items_in_batch.dtype}"
+            )
+    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Integral):
         raise TypeError(
             "num_items_in_batch must be an int or a 0-d tensor, "
             f"got {type(num_items_in_batch).__name__}"
         )
     elif num_items_in_batch < 0:
         raise ValueError(f"num_items_in_batch must be >= 0, got {num_items_in_batch}")
+
+
+def check_first_order(what: str, fix: str) -> None:
+    """RuntimeError inside a backward run with ``create_graph=True`` (grad mode is on there).
+
+    The kernels' gradients are computed outside autograd and carry no graph: a gradient of the
+    gradient would silently be missing, so it is refused at the first backward instead.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} gives first-order gradients only (its backward builds no graph), so "
+            f"create_graph=True cannot give a higher-order gradient: use {fix} for that"
+        )
 
 
 def check_linear(
@@ -164,14 +219,21 @@ def check_values(
     vocab_size: int,
     ignore_index: int,
     cu_seqlens: torch.Tensor | None,
+    num_items_in_batch: int | torch.Tensor | None = None,
 ) -> None:
-    """Checks label range and ``cu_seqlens`` contents: one host sync on CUDA, one bool read.
+    """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
+    (finite, ``>= 0``): one host sync on CUDA, one bool read.
 
-    Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
-    kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
+    Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible, and
+    with ``validate=False``. Both backends then give the same defined result on bad values: an
+    out-of-range label gives a NaN loss, ``cu_seqlens`` is read as :func:`clamp_cu_seqlens`
+    makes it, and a negative or non-finite ``num_items_in_batch`` gives a NaN loss.
     """
-    if is_tracing():
+    if is_tracing() or labels.device.type == "meta":  # meta tensors have no values to check
         return
+    # In int64: compared in a narrow dtype, V and ignore_index would wrap (uint8: 300 -> 44,
+    # -100 -> 156), refusing valid labels and passing invalid ones.
+    labels = labels.to(torch.int64)
     bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
     flags = [bad_label]
     if cu_seqlens is not None:
@@ -181,6 +243,10 @@ def check_values(
             cu_seqlens[-1] != n,
             (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
         ]
+    count = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else None
+    if count is not None:
+        count = count.reshape(()).to(device=labels.device, dtype=torch.float64)
+        flags.append(~torch.isfinite(count) | (count < 0))
     # One transfer for all the checks; the detailed message is computed only on failure.
     failed = torch.stack(flags).cpu().tolist()
     if not any(failed):
@@ -191,6 +257,11 @@ def check_values(
             f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
         )
+    if count is not None and failed[-1]:
+        raise ValueError(
+            f"num_items_in_batch must be finite and >= 0, got {count.item()}: pass the number of "
+            "targets (or sequences with a target) of the optimiser step"
+        )
     cu = cu_seqlens.tolist()
     if failed[1]:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
@@ -198,3 +269,29 @@ def check_values(
         raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
     more = "..." if len(cu) > 16 else ""
     raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+
+
+def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``cu_seqlens`` made well formed, the way every backend reads it.
+
+    A valid ``cu_seqlens`` comes back equal. A malformed one (possible only where
+    :func:`check_values` was skipped) is clamped to ``[0, N]``, made non-decreasing by a running
+    maximum, and its first and last entries set to 0 and ``N``, so both backends compute the
+    same loss on it. A few tiny launches on ``(S+1,)`` values, no host sync.
+
+    Args:
+        cu_seqlens: ``(S+1,)`` int32/int64 with ``S + 1 >= 2`` unless ``num_tokens == 0``.
+        num_tokens: ``N``.
+
+    Returns:
+        ``(S+1,)`` tensor of ``cu_seqlens``' dtype and device.
+
+    Example:
+        >>> clamp_cu_seqlens(torch.tensor([2, 5, 3, 9]), 6)
+        tensor([0, 5, 5, 6])
+    """
+    clamped = torch.cummax(cu_seqlens.clamp(0, num_tokens), dim=0).values
+    clamped[0] = 0
+    if clamped.numel() > 1:
+        clamped[-1] = num_tokens
+    return clamped

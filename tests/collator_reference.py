@@ -7,22 +7,11 @@ then a difference in which targets are trained and how they are weighed.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-
-try:  # hypothesis draws fixed examples in CI, so a run there never fails at random
-    from hypothesis import settings
-
-    settings.register_profile("ci", derandomize=True, print_blob=True)
-    if os.environ.get("CI"):
-        settings.load_profile("ci")
-except ImportError:  # not on every GPU image
-    pass
-
 
 def lookup_table(vocab_size: int, seed: int = 0) -> torch.Tensor:
     """`(V, V)` float64 logits per input token, a leaf that collects gradients."""

@@ -20,7 +20,7 @@ from packed_ce.targets import count_normaliser, prepare_targets
 from loss_utils import (
     KERNEL_DEVICES,
     OPTION_SETS,
-    fresh_seed,
+    seed_for_test,
     random_packing,
     relative_error,
 )
@@ -59,7 +59,7 @@ def _loss_and_grad(fn, logits, upstream=None):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift, reduction, options, per_sequence_loss):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     vocab = 37
     packing = random_packing(gen, vocab, rows=3 if batched else None, row_len=24, n_tokens=60)
     logits = _logits(gen, packing.labels.shape, vocab, torch.float64, "cpu")
@@ -95,7 +95,7 @@ def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift
 )
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options, per_sequence_loss):
-    seed = fresh_seed()
+    seed = seed_for_test()
     gen = torch.Generator().manual_seed(seed)
     # alternate the layouts across the grid instead of multiplying it
     batched, boundary = seed % 2 == 0, ("cu", "pos")[(seed // 2) % 2]
@@ -139,7 +139,7 @@ def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction):
     """The one-launch targets/weights of the Triton path against the PyTorch path."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     # long sequences: several preparation blocks per sequence under the interpreter
     packing = random_packing(gen, 50, n_tokens=300, max_len=150, device=device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=is_packed, shift=shift, reduction=reduction)
@@ -152,7 +152,7 @@ def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction)
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("num_items", [7, "tensor"])
 def test_num_items_in_batch(device, num_items):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = _logits(gen, packing.labels.shape, V_UNALIGNED, torch.float32, device)
     if num_items == "tensor":
@@ -174,7 +174,7 @@ def test_num_items_in_batch(device, num_items):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("layout", ["strided_rows", "permuted_batch", "strided_columns"])
 def test_non_contiguous_inputs(device, layout):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, rows=2, row_len=16, device=device)
     base = torch.randn(2, 16, 2 * V_UNALIGNED, generator=gen).to(device)
     if layout == "strided_rows":  # row stride 2V, unit column stride: used as is
@@ -198,7 +198,7 @@ def test_non_contiguous_inputs(device, layout):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("inplace", [False, True])
 def test_inplace_backward(device, reduction, inplace):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction)
     logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
@@ -225,7 +225,7 @@ def test_float16_gradient_sees_the_loss_scale(device):
     A mean over many targets gives entries ~coef * p_j far below fp16's smallest subnormal
     (6e-8); computed for an upstream gradient of 1 and scaled later they would be lost.
     """
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     n = 64
     labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen).to(device)
     logits = (torch.randn(n, V_UNALIGNED, generator=gen) * 4).to(device, torch.float16)
@@ -262,7 +262,7 @@ BACKENDS = [
 @pytest.mark.parametrize("backend_device", BACKENDS)
 def test_uniform_logits_give_log_vocab(backend_device):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = torch.full((40, V_UNALIGNED), 0.25, device=device)
     if not (packing.labels != -100).any():
@@ -274,7 +274,7 @@ def test_uniform_logits_give_log_vocab(backend_device):
 @pytest.mark.parametrize("backend_device", BACKENDS)
 def test_row_constant_and_sequence_permutation_invariance(backend_device):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=48, device=device)
     logits = torch.randn(48, V_UNALIGNED, generator=gen).to(device)
     kwargs = dict(is_packed=True, shift=True, backend=backend)
@@ -302,7 +302,7 @@ def test_row_constant_and_sequence_permutation_invariance(backend_device):
 @pytest.mark.parametrize("boundary", ["cu", "pos"])
 def test_appending_a_sequence_without_targets_changes_nothing(backend_device, boundary):
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=30, device=device)
     logits = torch.randn(30, V_UNALIGNED, generator=gen).to(device)
     extra = 9
@@ -343,7 +343,7 @@ def test_nothing_to_learn_gives_zero_not_nan(backend_device, reduction, case):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_none_with_long_ignored_runs_keeps_gradients(device):
     """A long ignored run must not zero the gradients of the targets after it."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     n = 64
     labels = torch.randint(0, V_UNALIGNED, (n,), generator=gen)
     labels[4:52] = -100
@@ -359,7 +359,7 @@ def test_none_with_long_ignored_runs_keeps_gradients(device):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_return_z_loss(device):
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=40, device=device)
     logits = torch.randn(40, V_UNALIGNED, generator=gen).to(device)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, return_z_loss=True)
@@ -375,7 +375,7 @@ def test_return_z_loss(device):
 
 
 def test_module_holds_options():
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 50, n_tokens=20)
     logits = torch.randn(20, 50, generator=gen)
     module = packed_ce.PackedCrossEntropyLoss(is_packed=True, shift=True, label_smoothing=0.1)
@@ -392,7 +392,7 @@ def test_module_holds_options():
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_compile_fullgraph(device):
     """torch.compile traces a function that calls the kernel without graph breaks."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V_UNALIGNED, n_tokens=32, device=device)
     logits = torch.randn(32, V_UNALIGNED, generator=gen).to(device)
 
@@ -457,7 +457,7 @@ def test_chunk_options_and_unknown_keywords():
 
 
 def test_options_object_equals_keywords():
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 50, n_tokens=40)
     logits = torch.randn(40, 50, generator=gen)
     keywords = dict(is_packed=True, shift=True, label_smoothing=0.1, z_loss_scale=1e-3, softcap=4.0)
@@ -485,7 +485,7 @@ def test_options_object_equals_keywords():
 @pytest.mark.parametrize("shift", [True, False])
 def test_count_normaliser_is_what_mean_divides_by(boundary, is_packed, shift):
     """mean * D == sum, D counted independently: sequences with a target, or targets."""
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 30, n_tokens=80)
     boundaries = _boundaries(packing, boundary)
     options = LossOptions(is_packed=is_packed, shift=shift)
@@ -500,6 +500,234 @@ def test_count_normaliser_is_what_mean_divides_by(boundary, is_packed, shift):
     mean = packed_ce.cross_entropy(logits, packing.labels, options=options, **boundaries)
     total = packed_ce.cross_entropy(logits, packing.labels, options=options, reduction="sum", **boundaries)
     torch.testing.assert_close(mean * max(expected, 1), total)
+
+
+# --- edges: masked logits, narrow label dtypes, unchecked inputs, autograd's limits ---------
+
+# (backend, device, dtype, rtol against float64 math): the reference in float64 (exact up to
+# summation order), the kernel in float32 (its arithmetic: a few float32 ulps per term)
+EXACT_BACKENDS = [
+    pytest.param(("torch", "cpu", torch.float64, 1e-12), id="torch-fp64"),
+    *(
+        pytest.param(("triton", p.values[0], torch.float32, 2e-5), marks=p.marks, id=f"triton-{p.values[0]}")
+        for p in KERNEL_DEVICES
+    ),
+]
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+@pytest.mark.parametrize("backend_dtype", EXACT_BACKENDS)
+def test_minus_inf_logits_are_masked_entries(backend_dtype, options, per_sequence_loss):
+    """-inf logits (a masked vocabulary entry): F.cross_entropy's loss, gradient 0 there.
+
+    With label smoothing the exact loss is +inf (the smoothing term averages every logit), and
+    both backends give +inf with F.cross_entropy's finite gradient; softcap maps -inf to
+    -softcap, so everything is finite.
+    """
+    backend, device, dtype, rtol = backend_dtype
+    gen = torch.Generator().manual_seed(seed_for_test())
+    vocab, masked = 50, [3, 49]
+    packing = random_packing(gen, vocab, n_tokens=24, max_len=8, device=device)
+    labels = packing.labels.clone()
+    labels[(labels == 3) | (labels == 49)] = 0  # a target is never a masked entry
+    logits = torch.randn(24, vocab, generator=gen, dtype=torch.float64) * 3
+    logits[:, masked] = float("-inf")
+    logits[5, 10:20] = float("-inf")  # and a row with more of them
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, **options)
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, labels, backend=backend, **kwargs), logits.to(device, dtype)
+    )
+    ref_loss, ref_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels.cpu(), packing.slices, is_packed=True, shift=False, **options), logits
+    )
+    assert bool(torch.isfinite(ref_loss)) == (options.get("label_smoothing", 0) == 0 or "softcap" in options)
+    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=rtol, atol=0)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=rtol, atol=rtol * ref_grad.abs().max())
+    if not options.get("label_smoothing"):
+        assert (grad[:, masked] == 0).all()
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize(
+    "dtype,vocab,ignore_index",
+    [
+        (torch.uint8, 300, -100),  # 250 is a valid label; -100 cannot occur
+        (torch.uint8, 200, 255),  # ignore_index 255 in the labels' own range
+        (torch.int8, 300, -100),
+        (torch.int16, 40000, -100),  # V past int16's range
+    ],
+    ids=["uint8-V300", "uint8-ignore255", "int8-V300", "int16-V40000"],
+)
+def test_narrow_label_dtypes_are_checked_as_integers(backend_device, dtype, vocab, ignore_index):
+    """Labels are range-checked as integers, not in their own dtype (where V and ignore_index
+    wrap: uint8 reads V=300 as 44 and -100 as 156)."""
+    backend, device = backend_device
+    top = min(torch.iinfo(dtype).max, vocab - 1)
+    # the dtype's largest value, and ignore_index where the dtype can hold it
+    third = ignore_index if torch.iinfo(dtype).min <= ignore_index <= torch.iinfo(dtype).max else 0
+    labels = torch.tensor([top, 5, third, top], dtype=torch.int64)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    expected = packed_ce.cross_entropy(logits, labels.to(device), ignore_index=ignore_index, backend="torch")
+    narrow = labels.to(device, dtype)
+    actual = packed_ce.cross_entropy(logits, narrow, ignore_index=ignore_index, backend=backend)
+    torch.testing.assert_close(actual, expected, rtol=2e-5, atol=0)
+    if vocab <= torch.iinfo(dtype).max:
+        bad = narrow.clone()
+        bad[1] = vocab  # out of range, representable in the dtype
+        with pytest.raises(ValueError, match="labels"):
+            packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+    if dtype != torch.uint8:
+        bad = narrow.clone()
+        bad[1] = -1
+        with pytest.raises(ValueError, match="labels"):
+            packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize(
+    "cu_seqlens,read_as",
+    [
+        ([2, 4, 6], [0, 4, 6]),  # not starting at 0
+        ([0, 3, 5], [0, 3, 6]),  # not ending at N
+        ([0, 4, 2, 6], [0, 4, 4, 6]),  # decreasing: a running maximum
+        ([0, -3, 3, 9], [0, 0, 3, 6]),  # values outside [0, N]
+    ],
+    ids=["from-2", "to-5", "decreasing", "out-of-range"],
+)
+def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, read_as, per_sequence_loss):
+    """validate=False: a malformed cu_seqlens is read clamped (documented) on both backends."""
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(seed_for_test())
+    logits = torch.randn(6, 13, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6])
+    kwargs = dict(is_packed=True, shift=True, reduction="mean")
+    cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed_ce.cross_entropy(logits.float().to(device), labels.to(device), cu_seqlens=cu, backend=backend, **kwargs)
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(x, labels.to(device), cu_seqlens=cu, backend=backend, validate=False, **kwargs),
+        logits.float().to(device),
+    )
+    slices = list(zip(read_as[:-1], read_as[1:]))
+    ref_loss, ref_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels, slices, is_packed=True, shift=True), logits
+    )
+    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=2e-5, atol=0)  # float32 math
+    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence_loss):
+    """Under torch.compile the value checks are skipped: a malformed cu_seqlens is read clamped
+    and a NaN count gives NaN, as in eager mode with validate=False, on both backends."""
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(seed_for_test()), dtype=torch.float64)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
+    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)  # read as [0, 4, 4, 6]
+    expected = per_sequence_loss(logits, labels.cpu(), [(0, 4), (4, 4), (4, 6)], is_packed=True, shift=True)
+    for backend in ("torch", "triton"):
+
+        def step(x, count):
+            loss = packed_ce.cross_entropy(x, labels, cu_seqlens=cu, is_packed=True, shift=True, backend=backend)
+            nan = packed_ce.cross_entropy(x, labels, num_items_in_batch=count, backend=backend)
+            return loss, nan
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+        loss, nan = compiled(logits.float().to(device), torch.tensor(float("nan"), device=device))
+        torch.testing.assert_close(loss.cpu().double(), expected, rtol=2e-5, atol=0)  # float32 math
+        assert torch.isnan(nan)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("value", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
+def test_bad_tensor_num_items(backend_device, value):
+    """A negative or non-finite tensor num_items_in_batch: an error when validated, NaN (never a
+    loss of 0 or of the wrong sign) where its value is not read on the host."""
+    backend, device = backend_device
+    logits = torch.randn(4, 9, device=device, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, 4], device=device)
+    count = torch.tensor(value, device=device)
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend)
+    loss = packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend, validate=False)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(logits.grad).all()
+
+
+@pytest.mark.parametrize("value,error", [(-1, ValueError), (float("nan"), TypeError), (float("inf"), TypeError), (True, TypeError), (2.0, TypeError)])
+def test_bad_python_num_items_refused_even_unvalidated(value, error):
+    with pytest.raises(error, match="num_items_in_batch"):
+        packed_ce.cross_entropy(torch.randn(2, 5), torch.tensor([1, 2]), num_items_in_batch=value, validate=False)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("layout", ["expanded", "transposed"])
+def test_inplace_backward_refuses_storage_it_cannot_own(backend_device, layout):
+    """inplace_backward=True writes the gradient where the logits live: an expanded (stride 0)
+    view would get the rows' gradients on top of each other, a strided one would be copied."""
+    backend, device = backend_device
+    base = torch.randn(1, 7, device=device) if layout == "expanded" else torch.randn(7, 4, device=device)
+    logits = base.expand(4, 7) if layout == "expanded" else base.t()
+    labels = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(ValueError, match="inplace_backward.*contiguous"):
+        packed_ce.cross_entropy(logits, labels, backend=backend, inplace_backward=True)
+    # without it the same input is fine, and its gradient exact
+    x = base.clone().requires_grad_()
+    view = x.expand(4, 7) if layout == "expanded" else x.t()
+    packed_ce.cross_entropy(view, labels, backend=backend).backward()
+    y = base.clone().double().requires_grad_()
+    view = y.expand(4, 7) if layout == "expanded" else y.t()
+    torch.nn.functional.cross_entropy(view, labels).backward()
+    torch.testing.assert_close(x.grad.double(), y.grad, rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("path", ["fused", "none", "fp16"])
+def test_inplace_backward_invalidates_other_readers(device, path):
+    """Another node that saved the logits for its backward raises PyTorch's in-place error
+    instead of reading the gradient the kernel wrote over them."""
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    leaf = torch.randn(4, 9, device=device, dtype=dtype, requires_grad=True)
+    logits = leaf * 1.0
+    other = logits.sin()  # sin saves its input for the backward
+    reduction = "none" if path == "none" else "mean"
+    loss = packed_ce.cross_entropy(logits, torch.tensor([0, 1, 2, 3], device=device), backend="triton", inplace_backward=True, reduction=reduction)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss.sum() + other.sum()).backward()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_higher_order_gradients_refused_on_the_kernel(device, reduction):
+    """create_graph=True: the kernel's gradient has no graph, so the call is refused."""
+    logits = torch.randn(4, 9, device=device, requires_grad=True)
+    loss = packed_ce.cross_entropy(logits, torch.tensor([0, 1, 2, 3], device=device), backend="triton", reduction=reduction)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(loss.sum(), logits, create_graph=True)
+
+
+def test_higher_order_gradients_on_the_reference():
+    """The torch backend is plain autograd: the Hessian-vector product matches F.cross_entropy's."""
+    logits = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, 3])
+    hvps = []
+    for fn in (lambda x: packed_ce.cross_entropy(x, labels, backend="torch"), lambda x: torch.nn.functional.cross_entropy(x, labels)):
+        (grad,) = torch.autograd.grad(fn(logits), logits, create_graph=True)
+        hvps.append(torch.autograd.grad(grad.square().sum(), logits)[0])
+    torch.testing.assert_close(hvps[0], hvps[1])
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("path", ["fused", "none", "fp16"])
+def test_second_backward_refused_on_every_kernel_path(device, path):
+    dtype = torch.float16 if path == "fp16" else torch.float32
+    logits = torch.randn(4, 50, device=device, dtype=dtype, requires_grad=True)
+    reduction = "none" if path == "none" else "mean"
+    loss = packed_ce.cross_entropy(logits * 1.0, torch.tensor([1, 2, 3, 4], device=device), backend="triton", reduction=reduction).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward"):
+        loss.backward()
 
 
 # --- bad input ------------------------------------------------------------------------------
@@ -563,7 +791,7 @@ GPU_TOLERANCES = [(torch.float32, 1e-5, 1e-5), (torch.bfloat16, 1e-5, 8e-3), (to
 def test_gpu_dtypes_against_fp32_reference(dtype, loss_rtol, grad_tol, vocab, reduction, options):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    gen = torch.Generator().manual_seed(fresh_seed())
+    gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, vocab, rows=2, row_len=1024, max_len=300, device="cuda")
     logits = (torch.randn(2, 1024, vocab, generator=torch.Generator().manual_seed(1)) * 3).to("cuda", dtype)
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, reduction=reduction, **options)
@@ -589,7 +817,7 @@ def test_gpu_offsets_past_2_pow_31(inplace):
     """N * V > 2**31: row offsets must be 64-bit, or the last rows read and write wrong memory."""
     n, vocab = 16_500, 131_072  # 2.16e9 logits, 4.3 GB in bf16
     assert n * vocab > 2**31
-    gen = torch.Generator(device="cuda").manual_seed(fresh_seed())
+    gen = torch.Generator(device="cuda").manual_seed(seed_for_test())
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16, generator=gen)
     labels = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
     labels[::7] = -100

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import interpreting
+from ..validation import check_first_order
 
 @triton.jit
 def _softcap_and_slope(raw, softcap):
@@ -383,6 +384,13 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
     )
 
 
+def _mark_overwritten(logits: torch.Tensor) -> None:
+    """Bumps the autograd version of ``logits``, whose storage now holds their gradient, so
+    that any other node that saved them for its backward raises PyTorch's "modified by an
+    inplace operation" error instead of silently reading the gradient as logits."""
+    torch.autograd.graph.increment_version(logits)
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """Autograd for eager mode: fused for scalar reductions, recompute for "none" and fp16."""
 
@@ -411,6 +419,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
         loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
+        if fused and inplace_backward:
+            _mark_overwritten(logits)
         if reduce:
             loss, z_rows = loss.sum(), z_rows.sum()
         ctx.mark_non_differentiable(z_rows)
@@ -424,8 +434,10 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, grad_z: torch.Tensor):
+        check_first_order("packed_ce.cross_entropy with backend='triton'", "backend='torch'")
         if ctx.backward_done:
             # The fused gradient is scaled in place: a second backward would scale it twice.
+            # The recompute paths refuse too, so that every path behaves alike.
             raise RuntimeError(
                 "packed_ce.cross_entropy supports one backward per forward; "
                 "recompute the loss instead of retain_graph=True"
@@ -440,6 +452,8 @@ class CrossEntropyFunction(torch.autograd.Function):
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
             launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
+            if ctx.inplace_backward:
+                _mark_overwritten(logits)
         # One gradient per forward input: logits, then targets, coef, the five options, stats.
         return grad, None, None, None, None, None, None, None, None
 
@@ -517,6 +531,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse, grad_stats):
+    check_first_order("packed_ce.cross_entropy with backend='triton'", "backend='torch'")
     logits, targets, coef, lse = ctx.saved_tensors
     grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
     # One gradient per forward input: logits, then targets, coef, the three options, stats.
