@@ -5,13 +5,22 @@ Two kinds, at two times:
 - :func:`check_tensor`, :func:`check_arguments`, :func:`check_linear`: types, shapes, dtypes and
   devices, read from tensor metadata on the host (free, before anything runs). The non-tensor
   options are checked once, when their :class:`packed_ce.options.LossOptions` is built.
-- :func:`check_values`: label range and ``cu_seqlens`` contents, which live on the device (one
-  host sync; run after the kernel is queued, skipped while tracing).
+- label range and ``cu_seqlens`` contents, which live on the device: :func:`check_values` reads
+  them now (CPU tensors, and the torch backend, whose reference must never see a bad label);
+  :func:`queue_value_checks` checks them on CUDA without waiting for the device, and
+  :func:`check_pending` raises what it found at the start of the next loss call at the latest.
+  Both are skipped while tracing.
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
 
 from __future__ import annotations
+
+import atexit
+import math
+import threading
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -159,21 +168,100 @@ def check_linear(
         raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got shape {tuple(bias.shape)}")
 
 
+# --- values: label range and cu_seqlens contents ------------------------------------------
+
+# What the value checks find, one int64 each: enough to write the error message without the
+# tensors (the device kernel of packed_ce.kernels.checks writes one row of these per program).
+RECORD_FIELDS = (
+    "bad_labels",  # labels that are not ignore_index and outside [0, V)
+    "first_bad_index",  # flat index of the first of them, -1 if none
+    "first_bad_value",  # its value
+    "cu_first",  # cu_seqlens[0] (0 without cu_seqlens)
+    "cu_last",  # cu_seqlens[-1] (N without cu_seqlens)
+    "decrease_at",  # the first s with cu_seqlens[s+1] < cu_seqlens[s], -1 if none
+    "decrease_before",  # cu_seqlens[s]
+    "decrease_after",  # cu_seqlens[s+1]
+)
+
+
+def bad_label_mask(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """True where a label is neither ``ignore_index`` nor in ``[0, vocab_size)``."""
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+
+
+def value_record(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    cu_seqlens: torch.Tensor | None,
+) -> list[int]:
+    """The :data:`RECORD_FIELDS` of the inputs, computed in PyTorch on the host's schedule
+    (several host syncs on CUDA: for error messages and as the device kernel's reference)."""
+    flat = labels.reshape(-1)
+    bad = torch.nonzero(bad_label_mask(flat, vocab_size, ignore_index)).flatten().tolist()
+    record = [len(bad), bad[0] if bad else -1, int(flat[bad[0]]) if bad else 0]
+    if cu_seqlens is None:
+        return record + [0, flat.numel(), -1, 0, 0]
+    cu = cu_seqlens.tolist()
+    at = next((s for s in range(len(cu) - 1) if cu[s + 1] < cu[s]), -1)
+    return record + [cu[0], cu[-1], at, cu[at] if at >= 0 else 0, cu[at + 1] if at >= 0 else 0]
+
+
+def value_error(
+    rows: list[list[int]],
+    *,
+    labels_shape: tuple[int, ...],
+    vocab_size: int,
+    ignore_index: int,
+) -> str | None:
+    """The message of the first failed value check in ``rows``, or None if every check passed.
+
+    Args:
+        rows: records (:data:`RECORD_FIELDS`) of consecutive blocks of the flattened labels, in
+            order; the ``cu_seqlens`` fields are read from the first.
+        labels_shape: ``(N,)`` or ``(B, T)``, to name the bad label's position.
+        vocab_size, ignore_index: what a valid label is.
+    """
+    bad = sum(row[0] for row in rows)
+    if bad:
+        _, index, value = next(row for row in rows if row[0])[:3]
+        position = []
+        for size in reversed(labels_shape):
+            index, coordinate = divmod(index, size)
+            position.insert(0, str(coordinate))
+        return (
+            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"found {bad} bad value{'s' if bad > 1 else ''}, the first "
+            f"labels[{', '.join(position)}] = {value}"
+        )
+    cu_first, cu_last, at, before, after = rows[0][3:]
+    n = math.prod(labels_shape)
+    if cu_first != 0:
+        return f"cu_seqlens must start at 0, got {cu_first}"
+    if cu_last != n:
+        return f"cu_seqlens must end at N={n}, got {cu_last}"
+    if at >= 0:
+        return (
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{at + 1}] = {after} < "
+            f"cu_seqlens[{at}] = {before}"
+        )
+    return None
+
+
 def check_values(
     labels: torch.Tensor,
     vocab_size: int,
     ignore_index: int,
     cu_seqlens: torch.Tensor | None,
 ) -> None:
-    """Checks label range and ``cu_seqlens`` contents: one host sync on CUDA, one bool read.
+    """Checks label range and ``cu_seqlens`` contents now: one host sync on CUDA, one bool read.
 
     Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
     kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
     """
     if is_tracing():
         return
-    bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
-    flags = [bad_label]
+    flags = [bad_label_mask(labels, vocab_size, ignore_index).any()]
     if cu_seqlens is not None:
         n = labels.numel()
         flags += [
@@ -182,19 +270,150 @@ def check_values(
             (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
         ]
     # One transfer for all the checks; the detailed message is computed only on failure.
-    failed = torch.stack(flags).cpu().tolist()
-    if not any(failed):
+    if not any(torch.stack(flags).tolist()):
         return
-    if failed[0]:
-        bad = labels[(labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))]
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-            f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
+    record = value_record(labels, vocab_size, ignore_index, cu_seqlens)
+    raise ValueError(
+        value_error(
+            [record],
+            labels_shape=tuple(labels.shape),
+            vocab_size=vocab_size,
+            ignore_index=ignore_index,
         )
-    cu = cu_seqlens.tolist()
-    if failed[1]:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if failed[2]:
-        raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
-    more = "..." if len(cu) > 16 else ""
-    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+    )
+
+
+# --- deferred value checks: queued on the device, read at the next call ---------------------
+
+
+@dataclass
+class PendingCheck:
+    """The value checks of one loss call, still on their way to the host.
+
+    Attributes:
+        record: ``(P, len(RECORD_FIELDS))`` int64 host tensor (pinned, filled by a copy queued
+            on the device), rows as :func:`value_error` reads them.
+        done: recorded after that copy; None when ``record`` is complete already.
+        labels_shape, vocab_size, ignore_index: what :func:`value_error` needs besides.
+    """
+
+    record: torch.Tensor
+    done: torch.cuda.Event | None
+    labels_shape: tuple[int, ...]
+    vocab_size: int
+    ignore_index: int
+
+
+# Every thread's loss calls queue here: a check_pending() of the training loop's thread then
+# also reports calls made in other threads (nn.DataParallel replicas computing the loss).
+_pending: list[PendingCheck] = []
+_pending_lock = threading.Lock()
+
+
+def defers_checks(device: torch.device) -> bool:
+    """Whether the value checks of tensors on ``device`` are deferred: on CUDA, where reading
+    their result now would wait for the device, not on the CPU, where it costs nothing."""
+    return device.type == "cuda"
+
+
+def queue_value_checks(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    cu_seqlens: torch.Tensor | None,
+    coef: torch.Tensor,
+) -> None:
+    """Checks label range and ``cu_seqlens`` contents without waiting for the device.
+
+    On CUDA (:func:`defers_checks`) one kernel computes the checks' record, a non-blocking copy
+    brings it to pinned host memory, and :func:`check_pending` reads it, at the start of the next
+    loss call at the latest. Meanwhile, if a check fails, the kernel sets ``coef`` to NaN (in
+    place) around the bad value, so the loss and the gradients of this call are NaN: no finite
+    result comes from bad input. Elsewhere the checks run now (:func:`check_values`). Skipped
+    while tracing.
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer labels. cu_seqlens: ``(S+1,)`` or None.
+        vocab_size, ignore_index: what a valid label is.
+        coef: ``(N,)`` fp32, the call's loss coefficients (:class:`packed_ce.targets.Targets`).
+    """
+    if is_tracing():
+        return
+    if not defers_checks(labels.device):
+        check_values(labels, vocab_size, ignore_index, cu_seqlens)
+        return
+    from .kernels.checks import launch_value_checks
+
+    record = launch_value_checks(
+        labels, cu_seqlens, coef, vocab_size=vocab_size, ignore_index=ignore_index
+    )
+    done = None
+    if record.is_cuda:
+        host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
+        host.copy_(record, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        record = host
+    check = PendingCheck(record, done, tuple(labels.shape), vocab_size, ignore_index)
+    with _pending_lock:
+        _pending.append(check)
+
+
+def check_pending() -> None:
+    """Raises the ``ValueError`` of any bad label or ``cu_seqlens`` given to an earlier loss call.
+
+    On CUDA, ``validate=True`` checks label range and ``cu_seqlens`` contents on the device,
+    without waiting for it, so a bad value cannot raise inside the call that received it: that
+    call returns a NaN loss (and NaN gradients), and the error is raised at the start of the next
+    loss call (:func:`packed_ce.cross_entropy`, :func:`packed_ce.fused_linear_cross_entropy` or
+    their modules) or here, whichever comes first. Call it between ``loss.backward()`` and
+    ``optimizer.step()``, and no step ever trains on bad input::
+
+        loss = packed_ce.cross_entropy(logits, labels, cu_seqlens=cu_seqlens, is_packed=True)
+        loss.backward()
+        packed_ce.check_pending()  # raises here if labels or cu_seqlens were bad
+        optimizer.step()
+
+    It waits for the device only up to the checks of the last loss call, which are queued before
+    its loss kernel: normally long finished. On the CPU values are checked inside the call, and
+    nothing is ever pending. Does nothing while tracing (torch.compile, CUDA-graph capture),
+    where no checks are queued. Checks still pending when the interpreter exits are reported as
+    a warning.
+
+    Raises:
+        ValueError: with the message the call itself would have raised, for the first failed
+            check (in call order); every pending check is consumed.
+    """
+    # is_tracing first: torch.compile then never reads (nor guards on) the queue
+    if is_tracing() or not _pending:
+        return
+    with _pending_lock:
+        checks = _pending[:]
+        _pending.clear()
+    failures = []
+    for check in checks:
+        if check.done is not None:
+            check.done.synchronize()
+        message = value_error(
+            check.record.tolist(),
+            labels_shape=check.labels_shape,
+            vocab_size=check.vocab_size,
+            ignore_index=check.ignore_index,
+        )
+        if message is not None:
+            failures.append(message)
+    if failures:
+        others = f"; {len(failures) - 1} later calls failed too" if len(failures) > 1 else ""
+        raise ValueError(
+            f"{failures[0]} (in an earlier loss call, whose loss is NaN{others}; its check ran "
+            "on the device: see packed_ce.check_pending)"
+        )
+
+
+@atexit.register
+def _report_pending_at_exit() -> None:
+    """A bad value in the last loss call before exit still reaches the user, as a warning."""
+    try:
+        check_pending()
+    except ValueError as error:
+        warnings.warn(f"at interpreter exit: {error}", RuntimeWarning, stacklevel=1)
