@@ -64,7 +64,7 @@ def _value_checks_kernel(
         # to poison its block: one launch, no second pass.
         cu_first = tl.load(cu_seqlens_ptr).to(tl.int64)
         cu_last = tl.load(cu_seqlens_ptr + num_bounds - 1).to(tl.int64)
-        decrease_at = tl.full((), num_bounds, tl.int64)  # num_bounds: none
+        decrease_at = tl.zeros((), tl.int64) + num_bounds  # num_bounds: none
         for start in range(0, num_bounds - 1, CU_BLOCK):
             s = start + tl.arange(0, CU_BLOCK).to(tl.int64)
             pair = s + 1 < num_bounds
