@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -310,6 +311,17 @@ _pending: list[PendingCheck] = []
 _pending_lock = threading.Lock()
 
 
+def _forget_pending_in_child() -> None:
+    """A forked child (a DataLoader worker) cannot wait on its parent's device work, and may
+    have been forked while another thread held the lock."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pending_in_child)
+
+
 def defers_checks(device: torch.device) -> bool:
     """Whether the value checks of tensors on ``device`` are deferred: on CUDA, where reading
     their result now would wait for the device, not on the CPU, where it costs nothing."""
@@ -350,9 +362,9 @@ def queue_value_checks(
     done = None
     if record.is_cuda:
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
-        host.copy_(record, non_blocking=True)
+        host.copy_(record, non_blocking=True)  # queued on the stream of the labels' device
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(record.device))
         record = host
     check = PendingCheck(record, done, tuple(labels.shape), vocab_size, ignore_index)
     with _pending_lock:
@@ -403,7 +415,8 @@ def check_pending() -> None:
         if message is not None:
             failures.append(message)
     if failures:
-        others = f"; {len(failures) - 1} later calls failed too" if len(failures) > 1 else ""
+        later = len(failures) - 1
+        others = f"; {later} later call{'s' if later > 1 else ''} failed too" if later else ""
         raise ValueError(
             f"{failures[0]} (in an earlier loss call, whose loss is NaN{others}; its check ran "
             "on the device: see packed_ce.check_pending)"

@@ -11,6 +11,8 @@ call never synchronises with the device.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -106,7 +108,11 @@ def _combined(rows):
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8],
+    ids=["int64", "int32", "int16", "int8", "uint8"],
+)
 @pytest.mark.parametrize(
     "n", [0, 1, 64, 65, 300], ids=["empty", "one", "one-block", "block+1", "five-blocks"]
 )
@@ -120,6 +126,8 @@ def test_record_kernel_matches_pytorch(dtype, n):
     low = 0 if dtype == torch.uint8 else -3  # uint8 cannot hold ignore_index=-100
     ignore = 7 if dtype == torch.uint8 else -100
     clean = torch.randint(0, V, (n,), generator=gen)
+    last_bad = clean.clone()
+    last_bad[-1:] = V  # one bad label, in the last block only
     noisy = torch.randint(low, V + 3, (n,), generator=gen)
     cases = [
         None,
@@ -129,7 +137,7 @@ def test_record_kernel_matches_pytorch(dtype, n):
         torch.tensor([0, n + 1]),  # not to N
         torch.tensor([2]),  # one entry, wrong
     ]
-    for labels in (clean, noisy):
+    for labels in (clean, last_bad, noisy):
         labels = labels.to(dtype)
         labels[labels == 5] = ignore
         for cu in cases:
@@ -314,3 +322,18 @@ def test_gpu_validated_call_does_not_wait_for_the_device():
     assert not torch.cuda.current_stream().query()
     packed_ce.check_pending()  # waits for the sleep, then the check
     assert torch.cuda.current_stream().query()
+
+
+@interpreted
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_forgets_the_parents_checks(deferred):
+    """A DataLoader worker forked while a check is pending must not wait on the parent's
+    device work, nor report its errors."""
+    _loss("cross_entropy", torch.tensor([1, 2, V, -100, 4, 10]))
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not validation._pending else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with pytest.raises(ValueError, match="labels"):  # the parent still has it
+        packed_ce.check_pending()
