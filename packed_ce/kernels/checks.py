@@ -115,7 +115,7 @@ def launch_value_checks(
         ``(P, len(RECORD_FIELDS))`` int64 on the labels' device, one row per program;
         :func:`packed_ce.validation.value_error` reads it.
     """
-    flat = labels.reshape(-1)
+    flat = labels.reshape(-1).contiguous()  # the kernel reads label t at offset t
     n = flat.numel()
     # The interpreter runs blocks as numpy arrays: small blocks exercise several programs and
     # the cu_seqlens loop at test sizes.
@@ -124,7 +124,7 @@ def launch_value_checks(
     record = torch.empty(programs, len(RECORD_FIELDS), dtype=torch.int64, device=labels.device)
     _value_checks_kernel[(programs,)](
         labels_ptr=flat,
-        cu_seqlens_ptr=cu_seqlens if cu_seqlens is not None else flat,
+        cu_seqlens_ptr=cu_seqlens.contiguous() if cu_seqlens is not None else flat,
         coef_ptr=coef,
         record_ptr=record,
         N=n,
