@@ -155,6 +155,26 @@ def test_record_kernel_matches_pytorch(dtype, n):
                     assert torch.equal(coef[part], before[part])
 
 
+@interpreted
+def test_record_of_strided_and_batched_labels(deferred):
+    """Labels and cu_seqlens that are views with strides read as their values; a bad label of
+    ``(B, T)`` labels is named by its row and column."""
+    from packed_ce.kernels.checks import launch_value_checks
+
+    base = torch.tensor([1, 99, 2, 99, V, 99, 3, 99, -100, 99, 4, 99])
+    labels, cu = base[::2], torch.tensor([0, 9, 3, 9, 6, 9])[::2]  # [1, 2, V, 3, -100, 4], [0, 3, 6]
+    rows = launch_value_checks(labels, cu, torch.ones(6), vocab_size=V, ignore_index=-100)
+    assert _combined(rows.tolist()) == validation.value_record(labels, V, -100, cu)
+    assert validation.value_record(labels, V, -100, cu)[:3] == [1, 2, V]
+    _loss("cross_entropy", labels.reshape(2, 3).contiguous().reshape(6))
+    with pytest.raises(ValueError, match=r"the first labels\[2\] = 11"):
+        packed_ce.check_pending()
+    logits = torch.zeros(2, 3, V)
+    packed_ce.cross_entropy(logits, labels.reshape(2, 3), backend="triton")
+    with pytest.raises(ValueError, match=r"the first labels\[0, 2\] = 11"):
+        packed_ce.check_pending()
+
+
 def test_value_error_names_the_position_and_value():
     rows = [[0, -1, 0, 0, 8, -1, 0, 0], [2, 5, 11, 0, 8, -1, 0, 0]]
     message = validation.value_error(rows, labels_shape=(2, 4), vocab_size=V, ignore_index=-100)
