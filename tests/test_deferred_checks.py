@@ -162,11 +162,12 @@ def test_record_of_strided_and_batched_labels(deferred):
     from packed_ce.kernels.checks import launch_value_checks
 
     base = torch.tensor([1, 99, 2, 99, V, 99, 3, 99, -100, 99, 4, 99])
-    labels, cu = base[::2], torch.tensor([0, 9, 3, 9, 6, 9])[::2]  # [1, 2, V, 3, -100, 4], [0, 3, 6]
+    labels = base[::2]  # [1, 2, V, 3, -100, 4]
+    cu = torch.tensor([0, 9, 3, 9, 6, 9])[::2]  # [0, 3, 6]
     rows = launch_value_checks(labels, cu, torch.ones(6), vocab_size=V, ignore_index=-100)
     assert _combined(rows.tolist()) == validation.value_record(labels, V, -100, cu)
     assert validation.value_record(labels, V, -100, cu)[:3] == [1, 2, V]
-    _loss("cross_entropy", labels.reshape(2, 3).contiguous().reshape(6))
+    _loss("cross_entropy", labels)
     with pytest.raises(ValueError, match=r"the first labels\[2\] = 11"):
         packed_ce.check_pending()
     logits = torch.zeros(2, 3, V)
@@ -229,7 +230,8 @@ def test_good_calls_equal_unvalidated_and_queue_one_check(deferred, kind):
     """A deferred check changes nothing in a good call's results, and each call consumes the
     previous call's check: the queue never holds more than one."""
     labels = torch.tensor([1, 2, 3, -100, 4, 10])
-    keywords = dict(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32), is_packed=True, shift=True)
+    cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
+    keywords = dict(cu_seqlens=cu_seqlens, is_packed=True, shift=True)
     reference, reference_leaf = _loss(kind, labels, validate=False, **keywords)
     assert not validation._pending
     for _ in range(3):
