@@ -396,8 +396,9 @@ def check_pending() -> None:
         ValueError: with the message the call itself would have raised, for the first failed
             check (in call order); every pending check is consumed.
     """
-    # is_tracing first: torch.compile then never reads (nor guards on) the queue
-    if is_tracing() or not _pending:
+    # Compiling first: torch.compile then never reads (nor guards on) the queue. An empty queue
+    # next: the capture test would initialise CUDA in a process that never used it.
+    if torch.compiler.is_compiling() or not _pending or is_tracing():
         return
     with _pending_lock:
         checks = _pending[:]
