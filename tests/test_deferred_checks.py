@@ -261,6 +261,28 @@ def test_pending_failure_at_exit_is_a_warning(deferred):
     assert not validation._pending
 
 
+@interpreted
+def test_compiled_calls_neither_check_nor_read_the_queue(deferred):
+    """Under torch.compile nothing is queued and the queue is not read: a check pending from an
+    eager call neither breaks the graph nor recompiles it, and stays for check_pending()."""
+    labels = torch.tensor([1, 2, 3, -100, 4, 10])
+    cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0))
+
+    def step(x, y):
+        return packed_ce.cross_entropy(x, y, cu_seqlens=cu_seqlens, is_packed=True, backend="triton")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    expected = compiled(logits, labels)
+    assert not validation._pending
+    _loss("cross_entropy", torch.tensor([1, 2, V, -100, 4, 10]))  # eager, bad: queued
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        torch.testing.assert_close(compiled(logits, labels), expected)
+    with pytest.raises(ValueError, match="labels"):
+        packed_ce.check_pending()
+
+
 def test_cpu_values_raise_inside_the_call():
     """Without deferral (CPU tensors) nothing is queued: the call itself raises."""
     labels = torch.tensor([1, 2, V, -100, 4, 10])
