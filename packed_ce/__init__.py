@@ -7,6 +7,8 @@ The public surface:
 - :class:`LossOptions` and :class:`ChunkOptions`: the options of both, as one checked object
   (the functions also take them as keywords).
 - :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
+- :func:`check_pending`: raises the error of a bad label or ``cu_seqlens`` given to an earlier
+  call on CUDA, whose check ran on the device (call it before ``optimizer.step()``).
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
 """
 
@@ -14,6 +16,7 @@ from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from .options import ChunkOptions, LossOptions
 from .targets import count_normaliser
+from .validation import check_pending
 
 __all__ = [
     "cross_entropy",
@@ -23,5 +26,6 @@ __all__ = [
     "LossOptions",
     "ChunkOptions",
     "count_normaliser",
+    "check_pending",
 ]
 __version__ = "0.1.0"

@@ -73,7 +73,9 @@ def cross_entropy(
     What is checked when: types, shapes, dtypes, devices, options and a Python-number
     ``num_items_in_batch`` always, on the host, for free. The values on the device (label range,
     ``cu_seqlens`` contents, a tensor ``num_items_in_batch``) only with ``validate=True`` outside
-    ``torch.compile`` and CUDA-graph capture (one host sync). Unchecked, both backends give the
+    ``torch.compile`` and CUDA-graph capture: on the CPU and on the torch backend inside the call,
+    on CUDA with the kernel on the device without a host sync, the error then raised by the next
+    loss call or :func:`packed_ce.check_pending` (this call's loss is NaN). Unchecked, both backends give the
     same result on bad values: NaN for an out-of-range label and for a negative or non-finite
     ``num_items_in_batch``; ``cu_seqlens`` read clamped to ``[0, N]``, made non-decreasing and
     from 0 to ``N`` (:func:`packed_ce.validation.clamp_cu_seqlens`).

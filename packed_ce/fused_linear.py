@@ -52,8 +52,8 @@ def fused_linear_cross_entropy(
     For "mean" and "sum" the gradients are computed during the forward and the backward only
     rescales them by the upstream gradient (free when it is 1); "none" recomputes each chunk's
     logits in the backward (``8 N H V`` FLOPs instead of ``6 N H V``). Rows without a target
-    can skip the GEMMs (``drop_ignored_rows=True``, one host sync). No host sync with
-    ``validate=False``.
+    can skip the GEMMs (``drop_ignored_rows=True``, one host sync). No host sync otherwise
+    (on CUDA ``validate`` checks on the device, see :func:`packed_ce.check_pending`).
 
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``, float32/bfloat16/float16 (float64 too with

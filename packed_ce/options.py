@@ -70,10 +70,16 @@ class LossOptions:
         backend: "triton" (the kernel; on CPU tensors through the Triton interpreter when
             ``TRITON_INTERPRET=1``), "torch" (the PyTorch reference), or "auto" (the kernel on
             CUDA, the reference elsewhere).
-        validate: check label range and ``cu_seqlens`` contents (one host sync on CUDA, after
-            the kernel is queued; skipped automatically under ``torch.compile`` and CUDA-graph
-            capture). With False nothing syncs; an out-of-range label then gives a NaN loss
-            instead of an error (what else is then unchecked: :func:`packed_ce.cross_entropy`).
+        validate: check label range and ``cu_seqlens`` contents; a bad value raises a
+            ValueError naming it. On the CPU, and on CUDA with ``backend="torch"`` (one host
+            sync), inside the call. On CUDA with the kernel, without any host sync: the checks
+            run on the device, the call's loss and gradients are NaN if one fails, and the
+            error is raised at the start of the next loss call or by
+            :func:`packed_ce.check_pending`, whichever comes first (call it before
+            ``optimizer.step()`` to never step on bad input). A tensor ``num_items_in_batch`` is
+            checked the same way. Skipped under ``torch.compile`` and CUDA-graph capture. With
+            False nothing is checked (what unchecked bad values give:
+            :func:`packed_ce.cross_entropy`).
 
     Raises:
         TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out

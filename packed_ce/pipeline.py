@@ -5,17 +5,19 @@ Both losses are ``sum_t coef[t] * l_t`` over the rows of some logits; they diffe
 the rows are computed (given logits, or chunks of ``hidden @ weight.T + bias``). Everything
 else, in this order, is :func:`run_loss`:
 
-1. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
+1. the value checks of earlier calls still pending are read, and raise if one failed
+   (:func:`packed_ce.validation.check_pending`);
+2. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
    were checked when their :class:`packed_ce.options.LossOptions` was built);
-2. on the torch backend, label range and ``cu_seqlens`` contents are checked first (the
-   reference would fail on a bad label anyway);
-3. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
-4. the caller's ``run`` computes the loss and z-term from them;
-5. "none" is reshaped to the labels' shape;
-6. on the Triton backend, labels and ``cu_seqlens`` are checked after the launch: the one host
-   sync then waits for work already queued instead of idling the GPU while the host prepares
-   the kernel. The kernels are memory-safe on bad values (NaN loss), so nothing wrong escapes:
-   the error is raised here.
+3. on the torch backend, label range and ``cu_seqlens`` contents are checked now, with a host
+   sync on CUDA (the reference would index out of range on a bad label);
+4. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
+5. on the Triton backend, the same checks are queued on the device without waiting for them
+   (:func:`packed_ce.validation.queue_value_checks`; on CPU tensors they run now): a failed one
+   makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
+   or at :func:`packed_ce.check_pending`;
+6. the caller's ``run`` computes the loss and z-term from the coefficients;
+7. "none" is reshaped to the labels' shape.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import torch
 from .options import Boundaries, LossOptions
 from .reference import compute_dtype
 from .targets import Targets, prepare_targets
-from .validation import allowed_dtypes, check_arguments, check_values
+from .validation import (
+    allowed_dtypes,
+    check_arguments,
+    check_pending,
+    check_values,
+    queue_value_checks,
+)
 
 
 def run_loss(
@@ -57,6 +65,7 @@ def run_loss(
         The loss, or ``(loss, z_loss)`` with ``options.return_z_loss``: 0-d for "mean"/"sum",
         ``labels``-shaped for "none".
     """
+    check_pending()
     check_arguments(
         logits_shape,
         dtype,
@@ -80,9 +89,9 @@ def run_loss(
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
+    if options.validate and backend == "triton":
+        queue_value_checks(*values[:4], prepared.coef, boundaries.num_items_in_batch)
     loss, z_loss = run(prepared)
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
-    if options.validate and backend == "triton":
-        check_values(*values)
     return (loss, z_loss) if options.return_z_loss else loss

@@ -5,15 +5,24 @@ Two kinds, at two times:
 - :func:`check_tensor`, :func:`check_arguments`, :func:`check_linear`: types, shapes, dtypes and
   devices, read from tensor metadata on the host (free, before anything runs). The non-tensor
   options are checked once, when their :class:`packed_ce.options.LossOptions` is built.
-- :func:`check_values`: label range and ``cu_seqlens`` contents, which live on the device (one
-  host sync; run after the kernel is queued, skipped while tracing).
+- label range and ``cu_seqlens`` contents, which live on the device: :func:`check_values` reads
+  them now (CPU tensors, and the torch backend, whose reference must never see a bad label);
+  :func:`queue_value_checks` checks them on CUDA without waiting for the device, and
+  :func:`check_pending` raises what it found at the start of the next loss call at the latest.
+  Both are skipped while tracing.
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
 
 from __future__ import annotations
 
+import atexit
+import math
 import numbers
+import os
+import threading
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -214,6 +223,108 @@ def check_linear(
         raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got shape {tuple(bias.shape)}")
 
 
+# --- values: label range and cu_seqlens contents ------------------------------------------
+
+# What the value checks find, one int64 each: enough to write the error message without the
+# tensors (the device kernel of packed_ce.kernels.checks writes one row of these per program).
+RECORD_FIELDS = (
+    "bad_labels",  # labels that are not ignore_index and outside [0, V)
+    "first_bad_index",  # flat index of the first of them, -1 if none
+    "first_bad_value",  # its value
+    "cu_first",  # cu_seqlens[0] (0 without cu_seqlens)
+    "cu_last",  # cu_seqlens[-1] (N without cu_seqlens)
+    "decrease_at",  # the first s with cu_seqlens[s+1] < cu_seqlens[s], -1 if none
+    "decrease_before",  # cu_seqlens[s]
+    "decrease_after",  # cu_seqlens[s+1]
+    "bad_count",  # 1 if a tensor num_items_in_batch is negative or not finite, else 0
+)
+
+
+def bad_label_mask(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """True where a label is neither ``ignore_index`` nor in ``[0, vocab_size)``.
+
+    In int64: compared in a narrow dtype, V and ignore_index would wrap (uint8: 300 -> 44,
+    -100 -> 156), refusing valid labels and passing invalid ones.
+    """
+    labels = labels.to(torch.int64)
+    return (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
+
+
+def bad_count(count: torch.Tensor) -> torch.Tensor:
+    """0-d bool on ``count``'s device: a tensor ``num_items_in_batch`` that no normaliser can be
+    (negative, NaN or infinite)."""
+    count = count.reshape(()).to(torch.float64)
+    return ~torch.isfinite(count) | (count < 0)
+
+
+def value_record(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    cu_seqlens: torch.Tensor | None,
+    count: torch.Tensor | None = None,
+) -> list[int]:
+    """The :data:`RECORD_FIELDS` of the inputs, computed in PyTorch on the host's schedule
+    (several host syncs on CUDA: for error messages and as the device kernel's reference);
+    ``count`` is a tensor ``num_items_in_batch`` or None."""
+    flat = labels.reshape(-1)
+    bad = torch.nonzero(bad_label_mask(flat, vocab_size, ignore_index)).flatten().tolist()
+    record = [len(bad), bad[0] if bad else -1, int(flat[bad[0]]) if bad else 0]
+    count_field = [int(bad_count(count))] if count is not None else [0]
+    if cu_seqlens is None:
+        return record + [0, flat.numel(), -1, 0, 0] + count_field
+    cu = cu_seqlens.tolist()
+    at = next((s for s in range(len(cu) - 1) if cu[s + 1] < cu[s]), -1)
+    boundaries = [cu[0], cu[-1], at, cu[at] if at >= 0 else 0, cu[at + 1] if at >= 0 else 0]
+    return record + boundaries + count_field
+
+
+def value_error(
+    rows: list[list[int]],
+    *,
+    labels_shape: tuple[int, ...],
+    vocab_size: int,
+    ignore_index: int,
+) -> str | None:
+    """The message of the first failed value check in ``rows``, or None if every check passed.
+
+    Args:
+        rows: records (:data:`RECORD_FIELDS`) of consecutive blocks of the flattened labels, in
+            order; the ``cu_seqlens`` fields are read from the first.
+        labels_shape: ``(N,)`` or ``(B, T)``, to name the bad label's position.
+        vocab_size, ignore_index: what a valid label is.
+    """
+    bad = sum(row[0] for row in rows)
+    if bad:
+        _, index, value = next(row for row in rows if row[0])[:3]
+        position = []
+        for size in reversed(labels_shape):
+            index, coordinate = divmod(index, size)
+            position.insert(0, str(coordinate))
+        return (
+            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
+            f"found {bad} bad value{'s' if bad > 1 else ''}, the first "
+            f"labels[{', '.join(position)}] = {value}"
+        )
+    cu_first, cu_last, at, before, after, count_failed = rows[0][3:]
+    if count_failed:
+        return (
+            "num_items_in_batch must be finite and >= 0: pass the number of targets (or the "
+            "weight of the sequences with a target) of the optimiser step"
+        )
+    n = math.prod(labels_shape)
+    if cu_first != 0:
+        return f"cu_seqlens must start at 0, got {cu_first}"
+    if cu_last != n:
+        return f"cu_seqlens must end at N={n}, got {cu_last}"
+    if at >= 0:
+        return (
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{at + 1}] = {after} < "
+            f"cu_seqlens[{at}] = {before}"
+        )
+    return None
+
+
 def check_values(
     labels: torch.Tensor,
     vocab_size: int,
@@ -222,7 +333,7 @@ def check_values(
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> None:
     """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
-    (finite, ``>= 0``): one host sync on CUDA, one bool read.
+    (finite, ``>= 0``) now: one host sync on CUDA, one bool read.
 
     Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible, and
     with ``validate=False``. Both backends then give the same defined result on bad values: an
@@ -231,11 +342,7 @@ def check_values(
     """
     if is_tracing() or labels.device.type == "meta":  # meta tensors have no values to check
         return
-    # In int64: compared in a narrow dtype, V and ignore_index would wrap (uint8: 300 -> 44,
-    # -100 -> 156), refusing valid labels and passing invalid ones.
-    labels = labels.to(torch.int64)
-    bad_label = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))).any()
-    flags = [bad_label]
+    flags = [bad_label_mask(labels, vocab_size, ignore_index).any()]
     if cu_seqlens is not None:
         n = labels.numel()
         flags += [
@@ -245,30 +352,19 @@ def check_values(
         ]
     count = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else None
     if count is not None:
-        count = count.reshape(()).to(device=labels.device, dtype=torch.float64)
-        flags.append(~torch.isfinite(count) | (count < 0))
+        flags.append(bad_count(count))
     # One transfer for all the checks; the detailed message is computed only on failure.
-    failed = torch.stack(flags).cpu().tolist()
-    if not any(failed):
+    if not any(torch.stack(flags).tolist()):
         return
-    if failed[0]:
-        bad = labels[(labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))]
-        raise ValueError(
-            f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
-            f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
+    record = value_record(labels, vocab_size, ignore_index, cu_seqlens, count)
+    raise ValueError(
+        value_error(
+            [record],
+            labels_shape=tuple(labels.shape),
+            vocab_size=vocab_size,
+            ignore_index=ignore_index,
         )
-    if count is not None and failed[-1]:
-        raise ValueError(
-            f"num_items_in_batch must be finite and >= 0, got {count.item()}: pass the number of "
-            "targets (or sequences with a target) of the optimiser step"
-        )
-    cu = cu_seqlens.tolist()
-    if failed[1]:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if failed[2]:
-        raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
-    more = "..." if len(cu) > 16 else ""
-    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+    )
 
 
 def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -295,3 +391,157 @@ def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     if clamped.numel() > 1:
         clamped[-1] = num_tokens
     return clamped
+
+
+# --- deferred value checks: queued on the device, read at the next call ---------------------
+
+
+@dataclass
+class PendingCheck:
+    """The value checks of one loss call, still on their way to the host.
+
+    Attributes:
+        record: ``(P, len(RECORD_FIELDS))`` int64 host tensor (pinned, filled by a copy queued
+            on the device), rows as :func:`value_error` reads them.
+        done: recorded after that copy; None when ``record`` is complete already.
+        labels_shape, vocab_size, ignore_index: what :func:`value_error` needs besides.
+    """
+
+    record: torch.Tensor
+    done: torch.cuda.Event | None
+    labels_shape: tuple[int, ...]
+    vocab_size: int
+    ignore_index: int
+
+
+# Every thread's loss calls queue here: a check_pending() of the training loop's thread then
+# also reports calls made in other threads (nn.DataParallel replicas computing the loss).
+_pending: list[PendingCheck] = []
+_pending_lock = threading.Lock()
+
+
+def _forget_pending_in_child() -> None:
+    """A forked child (a DataLoader worker) cannot wait on its parent's device work, and may
+    have been forked while another thread held the lock."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pending_in_child)
+
+
+def defers_checks(device: torch.device) -> bool:
+    """Whether the value checks of tensors on ``device`` are deferred: on CUDA, where reading
+    their result now would wait for the device, not on the CPU, where it costs nothing."""
+    return device.type == "cuda"
+
+
+def queue_value_checks(
+    labels: torch.Tensor,
+    vocab_size: int,
+    ignore_index: int,
+    cu_seqlens: torch.Tensor | None,
+    coef: torch.Tensor,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> None:
+    """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
+    without waiting for the device.
+
+    On CUDA (:func:`defers_checks`) one kernel computes the checks' record, a non-blocking copy
+    brings it to pinned host memory, and :func:`check_pending` reads it, at the start of the next
+    loss call at the latest. Meanwhile, if a check fails, the kernel sets ``coef`` to NaN (in
+    place) around the bad value, so the loss and the gradients of this call are NaN: no finite
+    result comes from bad input. Elsewhere the checks run now (:func:`check_values`). Skipped
+    while tracing.
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer labels. cu_seqlens: ``(S+1,)`` or None.
+        vocab_size, ignore_index: what a valid label is.
+        coef: ``(N,)`` fp32, the call's loss coefficients (:class:`packed_ce.targets.Targets`).
+        num_items_in_batch: the call's normaliser; checked when it is a tensor (a Python number
+            was checked with the arguments).
+    """
+    if is_tracing() or labels.device.type == "meta":
+        return
+    if not defers_checks(labels.device):
+        check_values(labels, vocab_size, ignore_index, cu_seqlens, num_items_in_batch)
+        return
+    from .kernels.checks import launch_value_checks
+
+    count = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else None
+    record = launch_value_checks(
+        labels, cu_seqlens, coef, count, vocab_size=vocab_size, ignore_index=ignore_index
+    )
+    done = None
+    if record.is_cuda:
+        host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
+        host.copy_(record, non_blocking=True)  # queued on the stream of the labels' device
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(record.device))
+        record = host
+    check = PendingCheck(record, done, tuple(labels.shape), vocab_size, ignore_index)
+    with _pending_lock:
+        _pending.append(check)
+
+
+def check_pending() -> None:
+    """Raises the ``ValueError`` of any bad label or ``cu_seqlens`` given to an earlier loss call.
+
+    On CUDA, ``validate=True`` checks label range and ``cu_seqlens`` contents on the device,
+    without waiting for it, so a bad value cannot raise inside the call that received it: that
+    call returns a NaN loss (and NaN gradients), and the error is raised at the start of the next
+    loss call (:func:`packed_ce.cross_entropy`, :func:`packed_ce.fused_linear_cross_entropy` or
+    their modules) or here, whichever comes first. Call it between ``loss.backward()`` and
+    ``optimizer.step()``, and no step ever trains on bad input::
+
+        loss = packed_ce.cross_entropy(logits, labels, cu_seqlens=cu_seqlens, is_packed=True)
+        loss.backward()
+        packed_ce.check_pending()  # raises here if labels or cu_seqlens were bad
+        optimizer.step()
+
+    It waits for the device only up to the checks of the last loss call, which are queued before
+    its loss kernel: normally long finished. On the CPU values are checked inside the call, and
+    nothing is ever pending. Does nothing while tracing (torch.compile, CUDA-graph capture),
+    where no checks are queued. Checks still pending when the interpreter exits are reported as
+    a warning.
+
+    Raises:
+        ValueError: with the message the call itself would have raised, for the first failed
+            check (in call order); every pending check is consumed.
+    """
+    # Compiling first: torch.compile then never reads (nor guards on) the queue. An empty queue
+    # next: the capture test would initialise CUDA in a process that never used it.
+    if torch.compiler.is_compiling() or not _pending or is_tracing():
+        return
+    with _pending_lock:
+        checks = _pending[:]
+        _pending.clear()
+    failures = []
+    for check in checks:
+        if check.done is not None:
+            check.done.synchronize()
+        message = value_error(
+            check.record.tolist(),
+            labels_shape=check.labels_shape,
+            vocab_size=check.vocab_size,
+            ignore_index=check.ignore_index,
+        )
+        if message is not None:
+            failures.append(message)
+    if failures:
+        later = len(failures) - 1
+        others = f"; {later} later call{'s' if later > 1 else ''} failed too" if later else ""
+        raise ValueError(
+            f"{failures[0]} (in an earlier loss call, whose loss is NaN{others}; its check ran "
+            "on the device: see packed_ce.check_pending)"
+        )
+
+
+@atexit.register
+def _report_pending_at_exit() -> None:
+    """A bad value in the last loss call before exit still reaches the user, as a warning."""
+    try:
+        check_pending()
+    except ValueError as error:
+        warnings.warn(f"at interpreter exit: {error}", RuntimeWarning, stacklevel=1)

@@ -764,6 +764,8 @@ def _bad_cases(device):
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 def test_bad_input_raises_naming_the_argument(backend_device):
+    """Inside the call, except for bad values on CUDA: their check runs on the device and
+    raises at the next call or check_pending() (tests/test_deferred_checks.py)."""
     backend, device = backend_device
     cases, x, y = _bad_cases(device)
     for name, change, error, word in cases:
@@ -771,6 +773,7 @@ def test_bad_input_raises_naming_the_argument(backend_device):
         args.update(change)
         with pytest.raises(error, match=word):
             packed_ce.cross_entropy(args.pop("logits"), args.pop("labels"), **args)
+            packed_ce.check_pending()
 
 
 # --- GPU only: bf16 and LLM-sized shapes ----------------------------------------------------

@@ -140,7 +140,8 @@ class PackedCausalLMLoss:
             backward, and not with a model that soft-caps its logits, whose ``tanh`` backward
             reads them).
         backend: "auto", "triton" or "torch", as in :func:`packed_ce.cross_entropy`.
-        validate: check labels and boundaries (one host sync per call on CUDA).
+        validate: check labels and boundaries (on CUDA on the device, without a host sync: see
+            :func:`packed_ce.check_pending`).
 
     Example:
         >>> loss_fn = PackedCausalLMLoss(is_packed=True)
