@@ -180,3 +180,30 @@ def test_packed_trainer_keeps_seq_lengths_column(truth, tmp_path):
 def test_packed_trainer_needs_the_packed_loss(tmp_path):
     with pytest.raises(ValueError, match="apply_packed_loss"):
         PackedTrainer(model=tiny_model("llama", VOCAB), args=training_args(tmp_path))
+
+
+def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch):
+    """On CUDA the values are checked on the device and the error comes later: the trainer reads
+    it before the optimiser step, so no step trains on the batch's NaN gradients. Deferred here
+    on CPU tensors as on CUDA."""
+    from packed_ce import validation
+
+    monkeypatch.setattr(validation, "defers_checks", lambda device: True)
+    rows = truth[0]
+    # in the step's last micro-batch: no later loss call of the step would raise it
+    bad = rows.map(lambda row, i: {"labels": row["labels"][:-1] + [VOCAB + 5]} if i == 3 else {},
+                   with_indices=True)
+    model = apply_packed_loss(tiny_model("llama", VOCAB), backend="triton")
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = SequentialPackedTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1),
+        train_dataset=bad,
+        data_collator=PackedCollator(),
+        optimizers=sgd(model),
+    )
+    with pytest.raises(ValueError, match="labels must be in"):
+        trainer.train()
+    assert validation._pending == []
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), initial[name]), f"{name} was stepped on bad input"

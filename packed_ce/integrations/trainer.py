@@ -20,9 +20,24 @@ batch. The Trainer's own count is the number of target tokens, right for ``is_pa
 from __future__ import annotations
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
+from ..validation import check_pending
 from .transformers import count_num_items, packed_loss_of
+
+
+class CheckPendingValues(TrainerCallback):
+    """Raises, before each optimiser step, the error of a bad label or ``cu_seqlens`` that a loss
+    call of the step received.
+
+    On CUDA the loss checks its values on the device without waiting for them
+    (:func:`packed_ce.check_pending`): the bad micro-batch's loss is NaN and the error would come
+    only with the next loss call, after the optimiser had stepped on NaN gradients (the Trainer
+    steps whatever the loss). Read here, the step never happens.
+    """
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        check_pending()
 
 
 class PackedNormaliserMixin:
@@ -33,6 +48,7 @@ class PackedNormaliserMixin:
       of the optimiser step and all processes;
     - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``:
       without it a packed row would be collated as one sequence;
+    - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
     - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
       trainer may call a model with the packed loss: any other ``Trainer`` is refused.
     """
@@ -63,6 +79,7 @@ class PackedNormaliserMixin:
                 "processes, which cancels the data-parallel gradient averaging of a loss "
                 "normalised over all processes"
             )
+        self.add_callback(CheckPendingValues)
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
