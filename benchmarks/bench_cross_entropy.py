@@ -6,6 +6,7 @@ On a GPU machine, from the repository root::
     PYTHONPATH=. python benchmarks/bench_cross_entropy.py            # ceilings, headline, sweep
     PYTHONPATH=. python benchmarks/bench_cross_entropy.py --quick    # a smaller sweep
     PYTHONPATH=. python benchmarks/bench_cross_entropy.py --configs  # launch-config table
+    PYTHONPATH=. python benchmarks/bench_cross_entropy.py --defaults # default vs validate=False
     PYTHONPATH=. python benchmarks/bench_cross_entropy.py --smoke    # CPU + Triton interpreter
 
 Cross entropy over a large vocabulary is memory-bound: the least traffic is reading the logits
@@ -99,6 +100,9 @@ GPU_PLAN = Plan(
     configs=_config_grid(),
 )
 QUICK_PLAN = dataclasses.replace(GPU_PLAN, tokens=(8192,), dtypes=(torch.bfloat16,), seconds=120.0)
+# What the default path costs over the sync-free one, (N, V) in bf16: the shapes at which a
+# host sync of the validation once made the defaults slower than the peers.
+DEFAULTS_SHAPES = ((8192, 32000), (8192, 128256), (8192, 151936), (4096, 262144))
 # Tiny sizes for the interpreter: V not a power of two (a masked tail), and one combo over
 # max_pair_bytes so the skip path runs too.
 SMOKE_PLAN = Plan(
@@ -424,6 +428,33 @@ def run_headline(plan: Plan, device: torch.device, copy_gbps: float) -> dict:
     }
 
 
+def run_defaults(plan: Plan, device: torch.device, copy_gbps: float) -> list[dict]:
+    """packed_ce with its defaults against ``validate=False`` (and Liger-Kernel, a peer with no
+    checks on the host), per shape of :data:`DEFAULTS_SHAPES`: the price of the value checks."""
+    variants = headline_variants(device)[:2] + [
+        v for v in peer_variants(device, compile_dynamic=False) if v.key == "liger"
+    ]
+    shapes = [(48, 1500)] if device.type == "cpu" else DEFAULTS_SHAPES
+    results = []
+    for n, vocab in shapes:
+        print(f"defaults N={n} V={vocab} ...", flush=True)
+        problem = make_problem(n, vocab, torch.bfloat16, device)
+        rows = measure(
+            problem, variants, copy_gbps=copy_gbps, reps=plan.headline_reps,
+            warmup=plan.warmup, device=device, memory=False,
+        )
+        results.append(
+            {
+                "problem": problem.describe(),
+                "floor_ms": problem.floor_bytes / copy_gbps / 1e6,
+                "rows": rows,
+                "validate_overhead": overhead(rows, "ours_packed", "ours_packed_no_sync"),
+            }
+        )
+        harness.release_memory(problem, device)
+    return results
+
+
 def sweep_reps(floor_bytes: int) -> int:
     # Each call of the biggest shapes takes tens of ms; their medians settle with fewer reps.
     return 20 if floor_bytes <= 8 * 10**9 else 10
@@ -493,6 +524,7 @@ def parse_config(text: str) -> tuple[int, int]:
 MODES = {
     "quick": "a smaller sweep (N=8192, bf16)",
     "configs": "only the ceilings and the launch-config table",
+    "defaults": "only the ceilings and the defaults against validate=False at four shapes",
 }
 
 
@@ -512,7 +544,8 @@ def main() -> int:
     mode, device, json_path, result = harness.begin_run(
         "cross_entropy", args, tuple(MODES), DISTRIBUTIONS
     )
-    plan = {"full": GPU_PLAN, "quick": QUICK_PLAN, "configs": GPU_PLAN, "smoke": SMOKE_PLAN}[mode]
+    plans = {"full": GPU_PLAN, "quick": QUICK_PLAN, "configs": GPU_PLAN, "defaults": GPU_PLAN}
+    plan = plans.get(mode, SMOKE_PLAN)
     result["kernel_sha256"] = harness.file_digest(Path(ce_kernels.__file__))
     result["ceilings"] = run_ceilings(plan, device)
     copy_gbps = result["ceilings"]["copy"]["gbps"]
@@ -521,12 +554,16 @@ def main() -> int:
     if mode == "configs":
         result["configs"] = run_configs(plan, device, copy_gbps, args.config or plan.configs)
         harness.write_json(json_path, result)
+    elif mode == "defaults":
+        result["defaults"] = run_defaults(plan, device, copy_gbps)
+        harness.write_json(json_path, result)
     else:
         result["headline"] = run_headline(plan, device, copy_gbps)
         harness.write_json(json_path, result)
         result["sweep"] = run_sweep(plan, device, copy_gbps, deadline=started + plan.seconds)
         if mode == "smoke":
             result["configs"] = run_configs(plan, device, copy_gbps, plan.configs)
+            result["defaults"] = run_defaults(plan, device, copy_gbps)
         harness.write_json(json_path, result)
         try:
             import plot
@@ -537,7 +574,10 @@ def main() -> int:
         harness.write_json(json_path, result)
 
     print(f"\nwrote {json_path}" + (f" and {result['plot']}" if "plot" in result else ""))
-    print(make_tables.cross_entropy_report(result))
+    print(make_tables.defaults_report(result) if mode == "defaults" else
+          make_tables.cross_entropy_report(result))
+    if mode == "smoke":
+        print(make_tables.defaults_report(result))
     checks = result.get("headline", {}).get("checks", {}).values()
     return 0 if all(check["passed"] for check in checks) else 1
 
