@@ -11,15 +11,9 @@ from pathlib import Path
 
 import torch
 
-# The default model: a Llama small enough to train a few steps on a laptop CPU in seconds.
-TINY_MODEL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-)
+# The default model: the Llama of packed_ce.integrations.tiny_causal_lm (2 layers, hidden 64),
+# small enough to train a few steps on a laptop CPU in seconds.
+from packed_ce.integrations.tiny import TINY_FIELDS
 
 
 def tiny_config(
@@ -43,7 +37,7 @@ def tiny_config(
     """
     from transformers import AutoConfig
 
-    fields = {**TINY_MODEL, "vocab_size": vocab_size, "use_cache": False, **overrides}
+    fields = {**TINY_FIELDS, "vocab_size": vocab_size, "use_cache": False, **overrides}
     config = AutoConfig.for_model(model_type, **fields)
     config._attn_implementation = attn_implementation
     return config
