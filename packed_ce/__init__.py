@@ -7,12 +7,15 @@ The public surface:
 - :class:`LossOptions` and :class:`ChunkOptions`: the options of both, as one checked object
   (the functions also take them as keywords).
 - :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
+- :class:`TokenStats`: entropy and top-1 sums over the targets, returned by either loss with
+  ``return_token_stats=True`` from its own read of the logits (for logging).
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
 """
 
 from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from .options import ChunkOptions, LossOptions
+from .stats import TokenStats
 from .targets import count_normaliser
 
 __all__ = [
@@ -23,5 +26,6 @@ __all__ = [
     "LossOptions",
     "ChunkOptions",
     "count_normaliser",
+    "TokenStats",
 ]
 __version__ = "0.1.0"

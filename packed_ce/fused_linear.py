@@ -40,7 +40,7 @@ def fused_linear_cross_entropy(
     options: LossOptions | None = None,
     chunk_options: ChunkOptions | None = None,
     **keywords,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`packed_ce.cross_entropy` of ``hidden @ weight.T + bias``, never forming the logits.
 
     Same value and same gradients for ``hidden``, ``weight`` and ``bias`` as
@@ -76,7 +76,9 @@ def fused_linear_cross_entropy(
     Returns:
         As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the
         torch backend), 0-d for "mean"/"sum" or ``labels``-shaped for "none", and with
-        ``return_z_loss`` the pair ``(loss, z_loss)``. Gradients have their inputs' dtypes.
+        ``return_z_loss`` the pair ``(loss, z_loss)``, with ``return_token_stats`` a
+        :class:`packed_ce.TokenStats` after them, computed by the kernel from each chunk of
+        logits it reads for the loss (no extra GEMM). Gradients have their inputs' dtypes.
 
     Raises:
         ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy`, and for
@@ -104,7 +106,7 @@ def fused_linear_cross_entropy(
     check_linear(hidden, weight, bias, allowed_dtypes(backend))
     rows = hidden.reshape(-1, hidden.shape[-1])
     return run_loss(
-        lambda prepared: chunked_loss(
+        lambda prepared, stats: chunked_loss(
             rows,
             weight,
             bias,
@@ -112,6 +114,7 @@ def fused_linear_cross_entropy(
             backend=backend,
             options=options,
             chunk_options=chunk_options,
+            stats=stats,
         ),
         labels,
         Boundaries(cu_seqlens, position_ids, num_items_in_batch),
