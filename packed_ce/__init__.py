@@ -7,6 +7,8 @@ The public surface:
 - :class:`LossOptions` and :class:`ChunkOptions`: the options of both, as one checked object
   (the functions also take them as keywords).
 - :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
+- :class:`TokenStats`: entropy and top-1 sums over the targets, returned by either loss with
+  ``return_token_stats=True`` from its own read of the logits (for logging).
 - :func:`check_pending`: raises the error of a bad label or ``cu_seqlens`` given to an earlier
   call on CUDA, whose check ran on the device (call it before ``optimizer.step()``).
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
@@ -15,6 +17,7 @@ The public surface:
 from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from .options import ChunkOptions, LossOptions
+from .stats import TokenStats
 from .targets import count_normaliser
 from .validation import check_pending
 
@@ -26,6 +29,7 @@ __all__ = [
     "LossOptions",
     "ChunkOptions",
     "count_normaliser",
+    "TokenStats",
     "check_pending",
 ]
 __version__ = "0.1.0"

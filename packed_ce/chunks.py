@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from .options import ChunkOptions, LossOptions
-from .reference import compute_dtype, token_losses
+from .reference import compute_dtype, token_losses, token_stats_rows
 from .targets import Targets
 from .validation import check_first_order, is_tracing
 
@@ -70,8 +70,9 @@ def default_chunk_size(vocab_size: int, dtype: torch.dtype) -> int:
 class _ChunkLoss:
     """How one backend computes the loss and ``dL/dZ`` of a chunk of logits.
 
-    forward(z, targets, coef, write_grad) -> (loss, z_term, lse), each ``(C,)``; with
-        ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1.
+    forward(z, targets, coef, write_grad, stats) -> (loss, z_term, lse), each ``(C,)``; with
+        ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1; a
+        ``(C, 2)`` fp32 ``stats`` (or None) receives each row's entropy and top-1 hit.
     backward(z, targets, coef, lse, grad_rows): overwrites ``z`` with ``dL/dZ`` for the per-row
         upstream gradients ``grad_rows`` ``(C,)``.
     scale(grad, g): ``grad *= g`` in place for a 2-D ``grad`` and a 0-d device ``g``.
@@ -91,9 +92,9 @@ def _triton_chunk_loss(options: LossOptions) -> _ChunkLoss:
         softcap=0.0 if options.softcap is None else options.softcap,
     )
 
-    def forward(z, targets, coef, write_grad):
+    def forward(z, targets, coef, write_grad, stats):
         # the kernel reads each element of a row before writing its gradient: in place is safe
-        return launch_forward(z, targets, coef, z if write_grad else None, **hyper)
+        return launch_forward(z, targets, coef, z if write_grad else None, **hyper, stats=stats)
 
     def backward(z, targets, coef, lse, grad_rows):
         launch_backward(z, z, targets, coef, lse, grad_rows.float(), **hyper)
@@ -113,7 +114,9 @@ def _torch_chunk_loss(options: LossOptions) -> _ChunkLoss:
                 z.copy_(grad)
         return loss.detach(), z_term.detach()
 
-    def forward(z, targets, coef, write_grad):
+    def forward(z, targets, coef, write_grad, stats):
+        if stats is not None:  # before rows() may overwrite z with its gradient
+            stats.copy_(token_stats_rows(z, targets, options))
         ones = torch.ones_like(coef) if write_grad else None
         # no lse: the backward below recomputes everything from the logits
         return (*rows(z, targets, coef, ones), None)
@@ -287,7 +290,7 @@ def _linear_into(out, hidden_c, weight, bias) -> torch.Tensor:
     return torch.addmm(bias, hidden_c, weight.t(), out=out)
 
 
-def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, grads):
+def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, grads, stats=None):
     """Loss rows, z-term rows and lse; also fills ``grads`` (upstream gradient 1) if given.
 
     Args:
@@ -295,6 +298,7 @@ def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, gra
         targets: ``(M,)`` int64 and coef: ``(M,)`` fp32 (fp64 for fp64 inputs) of the rows
             taken (:meth:`_Chunks.compact`).
         chunks: :class:`_Chunks`. grads: :class:`_Grads` or None.
+        stats: ``(M, 2)`` fp32 buffer for each taken row's entropy and top-1 hit, or None.
 
     Returns:
         ``(loss, z_term, lse)``: ``(M,)`` in coef's dtype; lse None on the torch backend.
@@ -305,7 +309,11 @@ def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, gra
         hidden_c = _take(hidden, selection)
         z = _linear_into(buffer[: len(hidden_c)], hidden_c, weight, bias)
         loss, z_term, lse = chunk_loss.forward(
-            z, targets[position], coef[position], grads is not None
+            z,
+            targets[position],
+            coef[position],
+            grads is not None,
+            stats[position] if stats is not None else None,
         )
         if grads is not None:
             grads.add_chunk(z, hidden_c, weight, selection, first=position.start == 0)
@@ -359,6 +367,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         drop_ignored_rows: bool,  # leave rows with coef == 0 out of the GEMMs (one host sync)
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         compute_grad: bool,  # grad mode is on (ctx.needs_input_grad ignores torch.no_grad)
+        stats: torch.Tensor | None = None,  # (N, 2) fp32 zeros, filled in the taken rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs = tuple(compute_grad and flag for flag in ctx.needs_input_grad[:3])
         # nonzero waits for the device: the host needs M to size the GEMMs
@@ -374,9 +383,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grads = None
         if ctx.fused:
             grads = _Grads.allocate(hidden, weight, bias, needs, accumulation_dtype, chunks)
+        # the stats of the taken rows, in one (M, 2) block when rows are left out
+        taken_stats = stats if stats is None or rows is None else stats.new_zeros(rows.numel(), 2)
         loss, z_rows, lse = _forward_chunks(
-            hidden, weight, bias, targets, coef, chunks, chunk_loss, grads
+            hidden, weight, bias, targets, coef, chunks, chunk_loss, grads, taken_stats
         )
+        if taken_stats is not None and rows is not None:
+            stats.index_copy_(0, rows, taken_stats)
         if ctx.fused:
             ctx.save_for_backward(*grads.finish(weight, bias))
         elif any(needs):
@@ -431,8 +444,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden, grad_weight, grad_bias = grads.finish(weight, bias)
         # One gradient per forward input: hidden, weight, bias, then targets, coef and the
         # six options (chunk_loss, chunk_size, accumulation_dtype, drop_ignored_rows, reduce,
-        # compute_grad).
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        # compute_grad), and the stats buffer.
+        return (
+            grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+        )
 
 
 @torch.compiler.disable
@@ -452,6 +467,7 @@ def chunked_loss(
     backend: str,
     options: LossOptions,
     chunk_options: ChunkOptions,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss rows of ``hidden @ weight.T + bias`` computed chunk by chunk, with autograd.
 
@@ -461,6 +477,8 @@ def chunked_loss(
         prepared: ``(N,)`` targets and coefficients (:func:`packed_ce.targets.prepare_targets`).
         backend: "triton" or "torch": which per-chunk cross entropy runs.
         options, chunk_options: the call's options.
+        stats: ``(N, 2)`` fp32 zeros or None: receives each row's entropy and top-1 hit, from
+            the chunks of logits the loss reads (rows without a target stay 0).
 
     Returns:
         ``(loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows for "none"; z_loss detached.
@@ -491,4 +509,5 @@ def chunked_loss(
             chunk_options.drop_ignored_rows and not is_tracing(),
             options.reduction != "none",
             compute_grad,
+            stats,
         )

@@ -7,7 +7,7 @@ from torch import nn
 
 from .options import Boundaries, LossOptions, changed_fields, split_keywords
 from .pipeline import run_loss
-from .reference import loss_from_targets
+from .reference import loss_from_targets, token_stats_rows
 from .runtime import resolve_backend
 from .validation import check_tensor
 
@@ -21,7 +21,7 @@ def cross_entropy(
     num_items_in_batch: int | torch.Tensor | None = None,
     options: LossOptions | None = None,
     **keywords,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross entropy that can average per packed sequence instead of per token.
 
     Per target ``t`` with logits row ``x`` (after ``softcap``: ``x = softcap * tanh(x / softcap)``),
@@ -48,8 +48,8 @@ def cross_entropy(
         **keywords: the fields of :class:`packed_ce.LossOptions`: ``is_packed=False``,
             ``shift=False``, ``ignore_index=-100``, ``reduction="mean"``,
             ``label_smoothing=0.0``, ``z_loss_scale=0.0``, ``softcap=None``,
-            ``return_z_loss=False``, ``inplace_backward=False``, ``backend="auto"``,
-            ``validate=True`` (each explained there). ``reduction``: "mean" (``sum / D``),
+            ``return_z_loss=False``, ``return_token_stats=False``, ``inplace_backward=False``,
+            ``backend="auto"``, ``validate=True`` (each explained there). ``reduction``: "mean" (``sum / D``),
             "sum", or "none" (per token, ``labels``-shaped, summing to "sum"); ``D`` =
             ``num_items_in_batch`` if given, else the number of targets (``is_packed=False``)
             or of sequences with a target (``is_packed=True``); ``D == 0`` gives loss 0 and
@@ -57,7 +57,10 @@ def cross_entropy(
 
     Returns:
         The loss (float32; float64 for float64 logits on the torch backend): 0-d for "mean" and
-        "sum", ``labels``-shaped for "none"; with ``return_z_loss`` the pair ``(loss, z_loss)``.
+        "sum", ``labels``-shaped for "none"; with ``return_z_loss`` the pair ``(loss, z_loss)``;
+        with ``return_token_stats`` a :class:`packed_ce.TokenStats` after them (``(loss, stats)``
+        or ``(loss, z_loss, stats)``): entropy and top-1 sums over the targets, from the same
+        pass over the logits, for any reduction.
         The gradient of ``logits`` has the logits' dtype.
 
     Raises:
@@ -104,8 +107,11 @@ def cross_entropy(
             "pass logits.contiguous() or inplace_backward=False"
         )
 
-    def run(prepared):
+    def run(prepared, stats):
         if backend == "torch":
+            if stats is not None:
+                flat = logits.reshape(-1, logits.shape[-1])
+                stats.copy_(token_stats_rows(flat, prepared.targets, options))
             return loss_from_targets(logits, prepared, options)
         from .kernels.cross_entropy import triton_cross_entropy
 
@@ -121,6 +127,7 @@ def cross_entropy(
             softcap=0.0 if options.softcap is None else options.softcap,
             reduce=options.reduction != "none",
             inplace_backward=options.inplace_backward,
+            stats=stats,
         )
 
     return run_loss(

@@ -43,7 +43,7 @@ def fused_linear_cross_entropy(
     options: LossOptions | None = None,
     chunk_options: ChunkOptions | None = None,
     **keywords,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`packed_ce.cross_entropy` of ``hidden @ weight.T + bias``, never forming the logits.
 
     Same value and same gradients for ``hidden``, ``weight`` and ``bias`` as
@@ -79,7 +79,9 @@ def fused_linear_cross_entropy(
     Returns:
         As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the
         torch backend), 0-d for "mean"/"sum" or ``labels``-shaped for "none", and with
-        ``return_z_loss`` the pair ``(loss, z_loss)``. Gradients have their inputs' dtypes.
+        ``return_z_loss`` the pair ``(loss, z_loss)``, with ``return_token_stats`` a
+        :class:`packed_ce.TokenStats` after them, computed by the kernel from each chunk of
+        logits it reads for the loss (no extra GEMM). Gradients have their inputs' dtypes.
 
     Raises:
         ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy` (which
@@ -110,7 +112,7 @@ def fused_linear_cross_entropy(
     check_linear(hidden, weight, bias, allowed_dtypes(backend))
     rows = hidden.reshape(math.prod(hidden.shape[:-1]), hidden.shape[-1])  # H = 0 too
     return run_loss(
-        lambda prepared: chunked_loss(
+        lambda prepared, stats: chunked_loss(
             rows,
             weight,
             bias,
@@ -118,6 +120,7 @@ def fused_linear_cross_entropy(
             backend=backend,
             options=options,
             chunk_options=chunk_options,
+            stats=stats,
         ),
         labels,
         Boundaries(cu_seqlens, position_ids, num_items_in_batch),

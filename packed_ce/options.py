@@ -64,6 +64,10 @@ class LossOptions:
         softcap: None, or ``c > 0``: logits pass through ``c * tanh(x / c)`` first.
         return_z_loss: also return the z-term, reduced like the loss, detached (for logging;
             it is already included in the loss).
+        return_token_stats: also return a :class:`packed_ce.TokenStats`: the sums, over the
+            rows with a target, of each row's softmax entropy and top-1 hit, and their number,
+            from the loss's own read of the logits (no second pass), detached, whatever the
+            reduction.
         inplace_backward: the kernel may write the gradient into the storage of ``logits``,
             which then no longer hold the logits (saves one ``(N, V)`` buffer). With False the
             input is never modified. No effect on the fused loss, whose logits are internal.
@@ -103,6 +107,7 @@ class LossOptions:
     z_loss_scale: float = 0.0
     softcap: float | None = None
     return_z_loss: bool = False
+    return_token_stats: bool = False
     inplace_backward: bool = False
     backend: str = "auto"
     validate: bool = True
@@ -110,6 +115,7 @@ class LossOptions:
     def __post_init__(self):
         for name in ("is_packed", "shift", "return_z_loss", "inplace_backward", "validate"):
             _check_bool(name, getattr(self, name))
+        _check_bool("return_token_stats", self.return_token_stats)
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         if self.reduction not in REDUCTIONS:

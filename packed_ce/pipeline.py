@@ -16,7 +16,8 @@ else, in this order, is :func:`run_loss`:
    (:func:`packed_ce.validation.queue_value_checks`; on CPU tensors they run now): a failed one
    makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
    or at :func:`packed_ce.check_pending`;
-6. the caller's ``run`` computes the loss and z-term from the coefficients;
+6. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
+   ``return_token_stats``, fills the per-row stats buffer in the same pass);
 7. "none" is reshaped to the labels' shape.
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from .options import Boundaries, LossOptions
 from .reference import compute_dtype
+from .stats import sum_token_stats
 from .targets import Targets, prepare_targets
 from .validation import (
     allowed_dtypes,
@@ -39,7 +41,7 @@ from .validation import (
 
 
 def run_loss(
-    run: Callable[[Targets], tuple[torch.Tensor, torch.Tensor]],
+    run: Callable[[Targets, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]],
     labels: torch.Tensor,
     boundaries: Boundaries,
     options: LossOptions,
@@ -49,11 +51,14 @@ def run_loss(
     dtype: torch.dtype,
     device: torch.device,
     name: str = "logits",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The loss of one call, whatever computes its rows.
 
     Args:
-        run: ``prepared -> (loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows for "none".
+        run: ``(prepared, stats) -> (loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows
+            for "none"; ``stats`` is None, or with ``options.return_token_stats`` an ``(N, 2)``
+            float32 buffer of zeros that ``run`` fills with each row's entropy and top-1 hit
+            (at least in the rows whose coefficient is nonzero).
         labels: ``(N,)`` or ``(B, T)`` integer labels.
         boundaries: the call's per-call tensors. options: its options.
         backend: "triton" or "torch" (:func:`packed_ce.runtime.resolve_backend`).
@@ -62,8 +67,10 @@ def run_loss(
         name: how the logits are called in error messages.
 
     Returns:
-        The loss, or ``(loss, z_loss)`` with ``options.return_z_loss``: 0-d for "mean"/"sum",
-        ``labels``-shaped for "none".
+        The loss, 0-d for "mean"/"sum", ``labels``-shaped for "none"; then ``z_loss`` (shaped
+        like the loss) with ``options.return_z_loss``, then a :class:`packed_ce.TokenStats`
+        with ``options.return_token_stats``: ``loss``, ``(loss, z_loss)``, ``(loss, stats)``
+        or ``(loss, z_loss, stats)``.
     """
     check_pending()
     check_arguments(
@@ -91,7 +98,14 @@ def run_loss(
     )
     if options.validate and backend == "triton":
         queue_value_checks(*values[:4], prepared.coef, boundaries.num_items_in_batch)
-    loss, z_loss = run(prepared)
+    stats = None
+    if options.return_token_stats:
+        # zeros: a row the loss skips (no target, left out of the GEMMs) is never written
+        stats = torch.zeros(prepared.coef.shape[0], 2, dtype=torch.float32, device=device)
+    loss, z_loss = run(prepared, stats)
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
-    return (loss, z_loss) if options.return_z_loss else loss
+    outputs = (loss, z_loss) if options.return_z_loss else (loss,)
+    if stats is not None:
+        outputs += (sum_token_stats(stats, prepared.coef),)
+    return outputs if len(outputs) > 1 else loss

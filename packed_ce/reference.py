@@ -63,6 +63,36 @@ def token_losses(
     return torch.where(valid, loss + z_term, zero), torch.where(valid, z_term, zero)
 
 
+@torch.no_grad()
+def token_stats_rows(
+    logits: torch.Tensor, targets: torch.Tensor, options: LossOptions
+) -> torch.Tensor:
+    """Each row's softmax entropy and top-1 hit, as the kernel's ``stats`` output; detached.
+
+    Args:
+        logits: ``(N, V)`` float64/float32/bfloat16/float16.
+        targets: ``(N,)`` int64 target class, or ``options.ignore_index``.
+        options: read for ``ignore_index`` and ``softcap``.
+
+    Returns:
+        ``(N, 2)`` float32: ``H = -sum_j p_j log p_j`` (nats, of the soft-capped logits, with
+        ``0 log 0 = 0`` where a logit is ``-inf``) and 1.0 where ``x[y] >= max_j x_j``; 0 in
+        both where there is no target.
+    """
+    x = logits.to(compute_dtype(logits.dtype))
+    if options.softcap is not None:
+        x = options.softcap * torch.tanh(x / options.softcap)
+    log_p = torch.log_softmax(x, dim=-1)
+    p = log_p.exp()
+    # p_j == 0 where x_j == -inf: its term is 0, not 0 * -inf
+    entropy = -torch.where(p > 0, p * log_p, 0.0).sum(-1)
+    valid = targets != options.ignore_index
+    x_target = x.gather(-1, torch.where(valid, targets, 0)[:, None]).squeeze(-1)
+    hit = (x_target >= x.amax(-1)).to(x.dtype)
+    rows = torch.stack([entropy, hit], dim=-1)
+    return torch.where(valid[:, None], rows, 0.0).to(torch.float32)
+
+
 def loss_from_targets(
     logits: torch.Tensor, prepared: Targets, options: LossOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:

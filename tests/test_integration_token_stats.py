@@ -1,70 +1,68 @@
-"""token_statistics: trl's entropy and top-1 accuracy sums, from logits and from hidden states.
+"""The token stats of a patched model's own loss call (``packed_ce_token_stats=True``).
 
-Checked against ``torch.distributions.Categorical`` and ``argmax`` on float64 logits, with about
-half of the targets made the most likely class (so that the accuracy is neither 0 nor 1), a
-bias, a softcap, rows without a target, a ``-inf`` logit, and more rows than one block.
+A packed batch of synthetic conversations runs through a tiny model patched by
+:func:`apply_packed_loss`, on the logits and through the fused forward, with Gemma 2's final
+softcap too. The expected sums come from each conversation run alone through an unpatched copy
+of the model: ``torch.distributions.Categorical`` entropy and ``argmax`` of its own logits
+against its next labels.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from packed_ce.integrations import token_statistics
-from packed_ce.integrations import token_stats
+from collators import PackedCollator
+from integration_utils import IGNORE, synthetic_conversations, tiny_model
+from packed_ce.integrations import PackedCausalLMLoss, apply_packed_loss
+from packed_ce.integrations.transformers import TOKEN_STATS_KEY
 
-N, H, V = 37, 16, 50
-IGNORE = -100
-
-
-def case(seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=gen)
-    weight = torch.randn(V, H, generator=gen)
-    bias = torch.randn(V, generator=gen)
-    logits = hidden @ weight.T + bias
-    targets = torch.randint(0, V, (N,), generator=gen)
-    hits = torch.rand(N, generator=gen) < 0.5
-    targets = torch.where(hits, logits.argmax(-1), targets)
-    targets[::5] = IGNORE  # rows without a target
-    return hidden, weight, bias, targets
+VOCAB = 8  # small: random labels of a random model still hit the top-1 class often
 
 
-def expected(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    keep = targets != IGNORE
-    rows = logits[keep].double()
-    entropy = torch.distributions.Categorical(logits=rows).entropy().sum()
-    hits = (rows.argmax(-1) == targets[keep]).sum()
-    return torch.stack([entropy, hits.double(), keep.sum().double()]).float()
+def one_at_a_time(model, conversations) -> torch.Tensor:
+    """``[entropy sum, top-1 hits, targets]`` in float64 over every conversation alone."""
+    totals = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for conversation in conversations:
+            logits = model(input_ids=torch.tensor([conversation["input_ids"]])).logits[0, :-1]
+            labels = torch.tensor(conversation["labels"][1:])
+            keep = labels != IGNORE
+            if not keep.any():  # Categorical refuses zero rows
+                continue
+            rows = logits[keep].double()
+            totals[0] += torch.distributions.Categorical(logits=rows).entropy().sum()
+            totals[1] += (rows.argmax(-1) == labels[keep]).sum()
+            totals[2] += keep.sum()
+    return totals
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("block_rows", [4096, 7])  # one block, several blocks
-def test_token_statistics_from_logits_and_hidden(softcap, block_rows, monkeypatch):
-    monkeypatch.setattr(token_stats, "CHUNK_ROWS", block_rows)
-    hidden, weight, bias, targets = case()
-    logits = hidden @ weight.T + bias
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    truth = expected(logits, targets)
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # gemma2: a final logit softcap
+@pytest.mark.parametrize("fused_linear", [False, True], ids=["logits", "fused"])
+def test_model_call_keeps_its_loss_stats(arch, fused_linear):
+    conversations = synthetic_conversations([13, 1, 21, 8, 17], VOCAB, seed=3)
+    model = tiny_model(arch, VOCAB, attn="eager")  # Gemma 2 has no sdpa path
+    truth = one_at_a_time(copy.deepcopy(model).eval(), conversations)
     assert 0 < truth[1] < truth[2]  # some hits, some misses
-    from_logits = token_statistics(targets, logits=logits.reshape(1, N, V))
-    from_hidden = token_statistics(
-        targets, hidden=hidden, weight=weight, bias=bias, softcap=softcap
+    apply_packed_loss(model, is_packed=True, fused_linear=fused_linear)
+    loss_fn = model.loss_function
+    assert isinstance(loss_fn, PackedCausalLMLoss)
+    batch = PackedCollator()(conversations)
+
+    outputs = model(**batch, use_cache=False)  # not asked: nothing kept
+    assert loss_fn.take_token_stats() is None
+    outputs = model(**batch, use_cache=False, **{TOKEN_STATS_KEY: True})
+    assert (outputs.logits is None) == fused_linear
+    stats = loss_fn.take_token_stats()
+    assert all(value.shape == () and not value.requires_grad for value in stats)
+    torch.testing.assert_close(torch.stack(stats).double(), truth, rtol=1e-5, atol=1e-4)
+    assert loss_fn.take_token_stats() is None  # taken once
+
+    # evaluation runs the model's own forward: the loss on its logits keeps them too
+    model.eval()
+    model(**batch, use_cache=False, **{TOKEN_STATS_KEY: True})
+    torch.testing.assert_close(
+        torch.stack(loss_fn.take_token_stats()).double(), truth, rtol=1e-5, atol=1e-4
     )
-    torch.testing.assert_close(from_logits, truth, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(from_hidden, truth, rtol=1e-5, atol=1e-5)
-
-
-def test_token_statistics_masked_vocabulary_entry_is_finite():
-    hidden, weight, bias, targets = case(1)
-    logits = hidden @ weight.T + bias
-    logits[:, 3] = float("-inf")  # a masked vocabulary entry: 0 log 0 = 0, not NaN
-    stats = token_statistics(targets, logits=logits)
-    assert torch.isfinite(stats).all()
-    torch.testing.assert_close(stats, expected(logits, targets), rtol=1e-5, atol=1e-5)
-
-
-def test_token_statistics_needs_one_source():
-    with pytest.raises(ValueError, match="either logits, or hidden and weight"):
-        token_statistics(torch.zeros(3, dtype=torch.long))

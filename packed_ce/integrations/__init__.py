@@ -9,12 +9,10 @@
   use: ``transformers.Trainer`` and ``trl`` take seconds to import; trl is the ``packed-ce[trl]``
   extra);
 - :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops;
-- :func:`token_statistics`: entropy and top-1 accuracy sums of the targets, for logging;
 - :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """
 
 from .tiny import tiny_causal_lm
-from .token_stats import token_statistics
 from .transformers import (
     PackedCausalLMLoss,
     apply_packed_loss,
@@ -36,7 +34,6 @@ __all__ = [
     "remove_packed_loss",
     "sequence_boundaries",
     "tiny_causal_lm",
-    "token_statistics",
 ]
 
 

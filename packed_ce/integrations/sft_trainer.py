@@ -18,16 +18,16 @@ conversation per row), with the labels trl masks for ``completion_only_loss`` an
 
 from __future__ import annotations
 
+import torch
 from trl import SFTTrainer
 
-from .token_stats import token_statistics
+from ..stats import TokenStats
 from .trainer import PackedNormaliserMixin
 from .transformers import (
     TOKEN_STATS_KEY,
     _check_fusable,
     apply_packed_loss,
     installation_of,
-    next_token_targets,
     packed_loss_of,
 )
 
@@ -51,9 +51,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
     Logged like trl: ``loss`` (the step's per-conversation mean), ``entropy`` and
     ``mean_token_accuracy`` (token means over the targets, as trl defines them), ``num_tokens``.
-    The metrics come from :func:`token_statistics` under ``no_grad``: in the fused path one
-    extra forward GEMM of the LM head over the target rows, inside the model's forward; with
-    logits, an elementwise pass over them.
+    The metrics come from the loss call itself (``return_token_stats``): the kernel computes
+    each target's entropy and top-1 hit in the pass that computes its loss, so neither path
+    reads the logits twice nor, in the fused path, runs the LM head again.
 
     Raises:
         ValueError: for options that cannot give the per-conversation mean, naming each:
@@ -128,31 +128,29 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         which cancels the data-parallel gradient averaging.
         """
         mode = "train" if self.model.training else "eval"
-        installation = installation_of(self.model)
-        call = {**inputs, "use_cache": False}
+        packed_loss = installation_of(self.model).loss
+        call = {**inputs, "use_cache": False, TOKEN_STATS_KEY: True}
         if num_items_in_batch is not None:
             call["num_items_in_batch"] = num_items_in_batch
-        if installation.fused_options is not None:
-            call[TOKEN_STATS_KEY] = True
+        packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
         outputs = model(**call)
         loss = outputs.loss
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
 
-        stats = outputs.get(TOKEN_STATS_KEY)
+        stats = packed_loss.take_token_stats()
         if stats is None:
-            targets = next_token_targets(
-                inputs["labels"], inputs, installation.loss.ignore_index, inputs.get("shift_labels")
-            )
-            stats = token_statistics(
-                targets, logits=outputs.logits, ignore_index=installation.loss.ignore_index
+            raise RuntimeError(
+                f"{type(self.model).__name__}'s forward returned a loss without calling its packed "
+                "loss function (model.loss_function): the step would not be the packed mean"
             )
         self._log_token_metrics(mode, stats, inputs)
         return (loss, outputs) if return_outputs else loss
 
-    def _log_token_metrics(self, mode: str, stats, inputs) -> None:
+    def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:
         """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``, gathered over processes."""
-        entropy, correct, targets = self.accelerator.gather_for_metrics(stats[None]).sum(0).tolist()
+        sums = torch.stack(stats)[None]  # (1, 3): entropy sum, top-1 hits, targets
+        entropy, correct, targets = self.accelerator.gather_for_metrics(sums).sum(0).tolist()
         metrics = self._metrics[mode]
         metrics["entropy"].append(entropy / targets if targets > 0 else 0.0)
         metrics["mean_token_accuracy"].append(correct / targets if targets > 0 else 0.0)
@@ -161,7 +159,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             if "attention_mask" in inputs:
                 local = inputs["attention_mask"].sum()
             else:
-                local = stats.new_tensor(inputs["input_ids"].numel())
+                local = sums.new_tensor(inputs["input_ids"].numel())
             tokens = int(self.accelerator.gather_for_metrics(local[None]).sum())
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ..cross_entropy import cross_entropy
+from ..stats import TokenStats
 from ..targets import prepare_targets, sequence_ids
-from .token_stats import token_statistics
 
 # The forward pre-hook passes the model's ``position_ids`` to the loss under this keyword; like any
 # extra keyword it also reaches the attention functions, which ignore keywords they do not know.
@@ -49,7 +49,10 @@ _UNFUSABLE_CONFIG_FIELDS = {
     "logits_scaling": "the logits are divided by config.logits_scaling",
 }
 
-# With this keyword set, the fused forward also returns token_statistics(...) under it.
+# With this keyword set to True in a model call, the packed loss (on the logits, or the fused
+# forward's) also computes the targets' TokenStats in its own pass and keeps them on the model's
+# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like POSITION_IDS_KEY it also
+# reaches the attention functions, which ignore keywords they do not know.
 TOKEN_STATS_KEY = "packed_ce_token_stats"
 
 _MISSING = object()
@@ -143,6 +146,13 @@ class PackedCausalLMLoss:
         validate: check labels and boundaries (on CUDA on the device, without a host sync: see
             :func:`packed_ce.check_pending`).
 
+    A call with the keyword ``packed_ce_token_stats=True`` (:data:`TOKEN_STATS_KEY`, passed to
+    ``model(...)``, which hands its extra keywords to the loss) also computes the
+    :class:`packed_ce.TokenStats` of its targets in the loss's own pass over the logits and
+    keeps them for :meth:`take_token_stats`; so does the fused forward of
+    :func:`apply_packed_loss`. They live on this object, which the model holds, so they are
+    found the same way under DDP or FSDP wrappers.
+
     Example:
         >>> loss_fn = PackedCausalLMLoss(is_packed=True)
         >>> logits = torch.zeros(1, 5, 4)                   # uniform: every token loss is log 4
@@ -171,6 +181,12 @@ class PackedCausalLMLoss:
             backend=backend,
             validate=validate,
         )
+        self.token_stats: TokenStats | None = None
+
+    def take_token_stats(self) -> TokenStats | None:
+        """The stats of the last call made with :data:`TOKEN_STATS_KEY`, once; then None."""
+        stats, self.token_stats = self.token_stats, None
+        return stats
 
     def loss_keywords(
         self,
@@ -219,7 +235,8 @@ class PackedCausalLMLoss:
                 :func:`count_num_items`); the local count when None.
             shift_labels: ``(B, T)`` labels already shifted (target of ``logits[t]``), or None.
             **kwargs: the model call's extra keywords, read for ``cu_seqlens``,
-                ``cu_seq_lens_q`` and ``packed_ce_position_ids``; the rest is ignored.
+                ``cu_seq_lens_q``, ``packed_ce_position_ids`` and ``packed_ce_token_stats``;
+                the rest is ignored.
 
         Returns:
             0-d float32 loss.
@@ -227,7 +244,12 @@ class PackedCausalLMLoss:
         targets, keywords = self.loss_keywords(
             labels, logits.device, shift_labels, num_items_in_batch, kwargs
         )
-        return cross_entropy(logits, targets, **keywords)
+        if not kwargs.get(TOKEN_STATS_KEY):
+            return cross_entropy(logits, targets, **keywords)
+        loss, self.token_stats = cross_entropy(
+            logits, targets, return_token_stats=True, **keywords
+        )
+        return loss
 
     def __repr__(self) -> str:
         options = dict(is_packed=self.is_packed, ignore_index=self.ignore_index, **self.options)
@@ -394,9 +416,10 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
     forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
     hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
     ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keyword
-    ``packed_ce_token_stats=True`` it also carries, under that key, :func:`token_statistics` of
-    the targets (the logged metrics of :class:`PackedSFTTrainer`). Every other call runs the
-    model's own forward. Everything is looked up on ``model`` at call time, so a copy
+    ``packed_ce_token_stats=True`` the loss's own :class:`packed_ce.TokenStats` of the targets
+    (the logged metrics of :class:`PackedSFTTrainer`) are kept on the model's
+    :class:`PackedCausalLMLoss`, as its call on logits does. Every other call runs the model's
+    own forward (the keyword then reaches the loss function). Everything is looked up on ``model`` at call time, so a copy
     of the model (``copy.deepcopy``) uses its own modules.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -405,10 +428,10 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
 
     installation = model._packed_ce
     kwargs = dict(kwargs)
-    want_stats = kwargs.pop(TOKEN_STATS_KEY, False)
     labels = kwargs.get("labels")
     if args or labels is None or not model.training:
         return _own_forward(model, installation)(*args, **kwargs)
+    want_stats = kwargs.pop(TOKEN_STATS_KEY, False)
     del kwargs["labels"]
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
@@ -426,9 +449,12 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
         targets,
         bias=head.bias,
         softcap=softcap,
+        return_token_stats=bool(want_stats),
         **keywords,
         **installation.fused_options,
     )
+    if want_stats:
+        loss, installation.loss.token_stats = loss
     result = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
@@ -436,16 +462,6 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
-    if want_stats:
-        # here, inside the forward, the head's weight is whole even under FSDP
-        result[TOKEN_STATS_KEY] = token_statistics(
-            next_token_targets(labels, kwargs, installation.loss.ignore_index, shift_labels),
-            hidden=hidden.detach(),
-            weight=head.weight.detach(),
-            bias=None if head.bias is None else head.bias.detach(),
-            softcap=softcap,
-            ignore_index=installation.loss.ignore_index,
-        )
     return result if return_dict is not False else result.to_tuple()
 
 
