@@ -7,12 +7,12 @@ else, in this order, is :func:`run_loss`:
 
 1. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
    were checked when their :class:`packed_ce.options.LossOptions` was built);
-2. on the torch backend, label range and ``cu_seqlens`` contents are checked first (the
-   reference would fail on a bad label anyway);
+2. on the torch backend, label range and the contents of ``cu_seqlens``, ``seq_targets`` and
+   ``seq_weights`` are checked first (the reference would fail on a bad label anyway);
 3. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
 4. the caller's ``run`` computes the loss and z-term from them;
 5. "none" is reshaped to the labels' shape;
-6. on the Triton backend, labels and ``cu_seqlens`` are checked after the launch: the one host
+6. on the Triton backend, the same values are checked after the launch: the one host
    sync then waits for work already queued instead of idling the GPU while the host prepares
    the kernel. The kernels are memory-safe on bad values (NaN loss), so nothing wrong escapes:
    the error is raised here.
@@ -69,7 +69,15 @@ def run_loss(
     )
     vocab = logits_shape[-1]
     if options.validate and backend == "torch":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(
+            labels,
+            vocab,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            shift=options.shift,
+            seq_targets=boundaries.seq_targets,
+            seq_weights=boundaries.seq_weights,
+        )
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
@@ -77,5 +85,13 @@ def run_loss(
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     if options.validate and backend == "triton":
-        check_values(labels, vocab, options.ignore_index, boundaries.cu_seqlens)
+        check_values(
+            labels,
+            vocab,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            shift=options.shift,
+            seq_targets=boundaries.seq_targets,
+            seq_weights=boundaries.seq_weights,
+        )
     return (loss, z_loss) if options.return_z_loss else loss

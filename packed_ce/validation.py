@@ -5,8 +5,9 @@ Two kinds, at two times:
 - :func:`check_tensor`, :func:`check_arguments`, :func:`check_linear`: types, shapes, dtypes and
   devices, read from tensor metadata on the host (free, before anything runs). The non-tensor
   options are checked once, when their :class:`packed_ce.options.LossOptions` is built.
-- :func:`check_values`: label range and ``cu_seqlens`` contents, which live on the device (one
-  host sync; run after the kernel is queued, skipped while tracing).
+- :func:`check_values`: label range, ``cu_seqlens``, ``seq_targets`` and ``seq_weights``
+  contents, which live on the device (one host sync; run after the kernel is queued, skipped
+  while tracing).
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
@@ -108,6 +109,54 @@ def check_arguments(
                 f"position_ids is on {position_ids.device} but {name} on {logits_device}"
             )
     check_num_items(boundaries.num_items_in_batch)
+    check_per_sequence(boundaries, is_packed=is_packed, device=logits_device, name=name)
+
+
+def check_per_sequence(
+    boundaries: Boundaries, *, is_packed: bool, device: torch.device, name: str = "logits"
+) -> None:
+    """``seq_targets`` ``(S,)`` integer and ``seq_weights`` ``(S,)`` float: types, shapes,
+    devices, and the boundaries they are aligned with (``cu_seqlens``, never ``position_ids``,
+    whose number of sequences only the data tell)."""
+    cu_seqlens = boundaries.cu_seqlens
+    per_sequence = (("seq_targets", boundaries.seq_targets), ("seq_weights", boundaries.seq_weights))
+    for arg, tensor in per_sequence:
+        if tensor is None:
+            continue
+        check_tensor(arg, tensor)
+        if cu_seqlens is None:
+            raise ValueError(
+                f"{arg} needs cu_seqlens: its entries are aligned with the sequences of "
+                "cu_seqlens (PackedCollator and collators.shard_batch return both)"
+            )
+        sequences = cu_seqlens.numel() - 1
+        if tuple(tensor.shape) != (sequences,):
+            raise ValueError(
+                f"{arg} must have shape (S,) = ({sequences},), one entry per sequence of "
+                f"cu_seqlens, got {tuple(tensor.shape)}"
+            )
+        if tensor.device != device:
+            raise ValueError(f"{arg} is on {tensor.device} but {name} on {device}")
+    seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
+    if seq_targets is not None:
+        if seq_targets.dtype.is_floating_point or seq_targets.dtype.is_complex or (
+            seq_targets.dtype == torch.bool
+        ):
+            raise TypeError(f"seq_targets must be an integer tensor, got {seq_targets.dtype}")
+        if not is_packed:
+            raise ValueError(
+                "seq_targets weighs each target by its conversation (is_packed=True); with "
+                "is_packed=False every target weighs 1 wherever its conversation was cut: "
+                "pass is_packed=True or drop seq_targets"
+            )
+    if seq_weights is not None:
+        if not seq_weights.dtype.is_floating_point:
+            raise TypeError(f"seq_weights must be a float tensor, got {seq_weights.dtype}")
+        if seq_weights.requires_grad:
+            raise ValueError(
+                "seq_weights must not require a gradient: the loss treats weights as data "
+                "(pass seq_weights.detach())"
+            )
 
 
 def check_num_items(num_items_in_batch) -> None:
@@ -159,16 +208,44 @@ def check_linear(
         raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got shape {tuple(bias.shape)}")
 
 
+def own_targets(
+    labels: torch.Tensor, cu_seqlens: torch.Tensor, *, shift: bool, ignore_index: int
+) -> torch.Tensor:
+    """``n_s``, the targets of each sequence ``[c_s, c_{s+1})``: ``(S,)`` int64.
+
+    From a prefix count, independently of :mod:`packed_ce.targets`: under ``shift`` the targets
+    of ``s`` are ``labels[c_s + 1 : c_{s+1}]``, else ``labels[c_s : c_{s+1}]``. Indices are
+    clamped to ``[0, N]``, so a malformed ``cu_seqlens`` (reported by :func:`check_values` in
+    the same transfer) reads nothing out of range.
+    """
+    has_target = (labels.reshape(-1) != ignore_index).to(torch.int64)
+    prefix = torch.nn.functional.pad(torch.cumsum(has_target, 0), (1, 0))  # (N+1,)
+    bounds = cu_seqlens.to(torch.int64).clamp(0, has_target.numel())
+    end = bounds[1:].clamp(min=bounds[:-1])
+    start = torch.minimum(bounds[:-1] + int(shift), end)
+    return prefix[end] - prefix[start]
+
+
 def check_values(
     labels: torch.Tensor,
     vocab_size: int,
     ignore_index: int,
     cu_seqlens: torch.Tensor | None,
+    *,
+    shift: bool = False,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
 ) -> None:
-    """Checks label range and ``cu_seqlens`` contents: one host sync on CUDA, one bool read.
+    """Checks label range, ``cu_seqlens``, ``seq_targets`` and ``seq_weights`` contents: one
+    host sync on CUDA, one bool read.
+
+    ``seq_targets`` must be ``>= 1`` and at least the sequence's own target count (``shift``
+    decides what a target is): a piece cannot have more targets than its conversation.
+    ``seq_weights`` must be finite and ``>= 0``. Both need ``cu_seqlens`` (checked before).
 
     Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible; the
-    kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss).
+    kernels stay memory-safe on bad values there (an out-of-range label gives a NaN loss; a
+    ``seq_targets`` entry below 1 counts as 1 on every backend).
     """
     if is_tracing():
         return
@@ -181,6 +258,11 @@ def check_values(
             cu_seqlens[-1] != n,
             (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
         ]
+    if seq_targets is not None:
+        own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
+        flags += [(seq_targets < 1).any(), (seq_targets < own).any()]
+    if seq_weights is not None:
+        flags += [~(seq_weights.isfinite() & (seq_weights >= 0)).all()]
     # One transfer for all the checks; the detailed message is computed only on failure.
     failed = torch.stack(flags).cpu().tolist()
     if not any(failed):
@@ -191,10 +273,35 @@ def check_values(
             f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
         )
-    cu = cu_seqlens.tolist()
-    if failed[1]:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if failed[2]:
-        raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
-    more = "..." if len(cu) > 16 else ""
-    raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+    if cu_seqlens is not None and any(failed[1:4]):
+        cu = cu_seqlens.tolist()
+        if failed[1]:
+            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        if failed[2]:
+            raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
+        more = "..." if len(cu) > 16 else ""
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
+    _raise_per_sequence(failed[4:], labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights)
+
+
+def _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights):
+    """The message of a failed ``seq_targets`` / ``seq_weights`` flag of :func:`check_values`."""
+    if seq_targets is not None:
+        if failed[0]:
+            bad = (seq_targets < 1).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                f"seq_targets must be >= 1 (1 for a sequence without targets), got "
+                f"{seq_targets[bad].tolist()} at sequences {bad}"
+            )
+        if failed[1]:
+            own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
+            bad = (seq_targets < own).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                "seq_targets must count the targets of each whole conversation, at least the "
+                f"sequence's own: sequences {bad} have {own[bad].tolist()} targets but "
+                f"seq_targets {seq_targets[bad].tolist()}"
+            )
+    bad = (~(seq_weights.isfinite() & (seq_weights >= 0))).nonzero().flatten()[:5].tolist()
+    raise ValueError(
+        f"seq_weights must be finite and >= 0, got {seq_weights[bad].tolist()} at sequences {bad}"
+    )
