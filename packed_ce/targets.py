@@ -171,8 +171,9 @@ def count_normaliser(
 
     Returns:
         0-d tensor on the labels' device: int64 (an exact count) without ``seq_targets`` and
-        ``seq_weights``, float32 with either (a sum of fractions and weights; float32 as the
-        loss's own arithmetic, where each ``n_s / m_s`` is exact for an unsplit sequence).
+        ``seq_weights``, float64 with either (a sum of fractions ``n_s / m_s`` and weights, which
+        the sum over a step's micro-batches and processes keeps exact to ~1e-16; each
+        ``n_s / m_s`` of an unsplit sequence is exactly 1).
 
     Raises:
         ValueError / TypeError naming the argument, for ``seq_targets`` / ``seq_weights`` of
@@ -193,7 +194,7 @@ def count_normaliser(
         >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=packed,
         ...                  seq_targets=torch.tensor([1, 1, 4]),
         ...                  seq_weights=torch.tensor([1.0, 1.0, 3.0]))
-        tensor(2.5000)
+        tensor(2.5000, dtype=torch.float64)
     """
     boundaries = Boundaries(
         cu_seqlens=cu_seqlens,
@@ -203,7 +204,9 @@ def count_normaliser(
     )
     options = options if options is not None else LossOptions()
     check_per_sequence(boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
-    return _targets_and_weights(labels, boundaries, options, torch.float32)[2]
+    # float64: the step's normaliser is a sum of fractions over micro-batches and processes,
+    # kept exact to ~1e-16 until the loss rounds it once to its compute dtype
+    return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
 
 
 def prepare_targets(
