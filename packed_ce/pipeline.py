@@ -68,7 +68,8 @@ def run_loss(
         name=name,
     )
     vocab = logits_shape[-1]
-    if options.validate and backend == "torch":
+
+    def validate_values():
         check_values(
             labels,
             vocab,
@@ -78,6 +79,9 @@ def run_loss(
             seq_targets=boundaries.seq_targets,
             seq_weights=boundaries.seq_weights,
         )
+
+    if options.validate and backend == "torch":
+        validate_values()
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
@@ -85,13 +89,5 @@ def run_loss(
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     if options.validate and backend == "triton":
-        check_values(
-            labels,
-            vocab,
-            options.ignore_index,
-            boundaries.cu_seqlens,
-            shift=options.shift,
-            seq_targets=boundaries.seq_targets,
-            seq_weights=boundaries.seq_weights,
-        )
+        validate_values()
     return (loss, z_loss) if options.return_z_loss else loss

@@ -119,8 +119,8 @@ def check_per_sequence(
     devices, and the boundaries they are aligned with (``cu_seqlens``, never ``position_ids``,
     whose number of sequences only the data tell)."""
     cu_seqlens = boundaries.cu_seqlens
-    per_sequence = (("seq_targets", boundaries.seq_targets), ("seq_weights", boundaries.seq_weights))
-    for arg, tensor in per_sequence:
+    seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
+    for arg, tensor in (("seq_targets", seq_targets), ("seq_weights", seq_weights)):
         if tensor is None:
             continue
         check_tensor(arg, tensor)
@@ -137,7 +137,6 @@ def check_per_sequence(
             )
         if tensor.device != device:
             raise ValueError(f"{arg} is on {tensor.device} but {name} on {device}")
-    seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
     if seq_targets is not None:
         if seq_targets.dtype.is_floating_point or seq_targets.dtype.is_complex or (
             seq_targets.dtype == torch.bool
@@ -258,6 +257,7 @@ def check_values(
             cu_seqlens[-1] != n,
             (cu_seqlens[1:] < cu_seqlens[:-1]).any(),
         ]
+    per_sequence = len(flags)  # where the seq_targets / seq_weights flags start
     if seq_targets is not None:
         own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
         flags += [(seq_targets < 1).any(), (seq_targets < own).any()]
@@ -273,7 +273,7 @@ def check_values(
             f"labels must be in [0, {vocab_size}) or equal ignore_index={ignore_index}; "
             f"found {bad.numel()} bad values, e.g. {bad[:5].tolist()}"
         )
-    if cu_seqlens is not None and any(failed[1:4]):
+    if any(failed[1:per_sequence]):
         cu = cu_seqlens.tolist()
         if failed[1]:
             raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
@@ -281,7 +281,8 @@ def check_values(
             raise ValueError(f"cu_seqlens must end at N={labels.numel()}, got {cu[-1]}")
         more = "..." if len(cu) > 16 else ""
         raise ValueError(f"cu_seqlens must be non-decreasing, got {cu[:16]}{more}")
-    _raise_per_sequence(failed[4:], labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights)
+    failed = failed[per_sequence:]
+    _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights)
 
 
 def _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights):
