@@ -407,7 +407,7 @@ def test_unvalidated_bad_values_agree_and_stay_finite(preparation):
     logits = torch.randn(len(LABELS), 11, device=device)
     loss = packed_ce.cross_entropy(logits, labels, backend="triton", validate=False, **keywords)
     torch.testing.assert_close(
-        loss, packed_ce.cross_entropy(logits.cpu(), labels.cpu(), backend="torch", validate=False,
+        loss.cpu(), packed_ce.cross_entropy(logits.cpu(), labels.cpu(), backend="torch", validate=False,
                                       **{k: v.cpu() if torch.is_tensor(v) else v for k, v in keywords.items()}),
         rtol=1e-5, atol=0,
     )
@@ -450,6 +450,8 @@ BAD_INPUTS = [
      r"seq_targets must be >= 1 .*got \[0\] at sequences \[1\]"),
     ("targets-below-own", dict(seq_targets=torch.tensor([4, 1, 2])), ValueError,
      r"seq_targets must count the targets of each whole conversation.*sequences \[2\] have \[3\] targets"),
+    ("targets-device", dict(seq_targets=torch.tensor([4, 1, 6], device="meta")), ValueError,
+     r"seq_targets is on meta but logits on"),
     ("weights-int", dict(seq_weights=torch.tensor([1, 1, 1])), TypeError, r"seq_weights must be a float tensor"),
     ("weights-long", dict(seq_weights=torch.ones(4)), ValueError, r"seq_weights must have shape \(S,\) = \(3,\)"),
     ("weights-nan", dict(seq_weights=torch.tensor([1.0, float("nan"), 1.0])), ValueError,
@@ -472,7 +474,8 @@ def test_bad_input_raises_naming_the_argument(backend_case, case):
     _, changes, error, pattern = case
     keywords = dict(cu_seqlens=torch.tensor(CU_SEQLENS), is_packed=True, shift=True, backend=backend)
     keywords.update(changes)
-    keywords = {k: v.to(device) if torch.is_tensor(v) else v for k, v in keywords.items()}
+    # (meta tensors stay where they are: the device check must see them)
+    keywords = {k: v.to(device) if torch.is_tensor(v) and not v.is_meta else v for k, v in keywords.items()}
     logits = torch.zeros(len(LABELS), 11, dtype=dtype, device=device)
     with pytest.raises(error, match=pattern):
         packed_ce.cross_entropy(logits, torch.tensor(LABELS, device=device), **keywords)
