@@ -14,9 +14,9 @@ and ``w_t = 0`` for tokens without a target. ``n_s`` is the number of targets of
 ``n_s``) and ``a_s = seq_weights[s]`` (default 1). With neither given, ``D`` is the number of
 sequences with a target (is_packed=True) or of targets (is_packed=False), counted exactly as an
 integer. So the kernels see one flat ``(N,)`` float32 coefficient per row and never have to know
-about sequences. Everything here is vectorised
-tensor code on the logits' device: no ``.item()``, ``.tolist()`` or data-dependent shapes, so
-the preparation is safe under CUDA graphs and traceable by ``torch.compile``.
+about sequences. Everything here is vectorised tensor code on the logits' device: no ``.item()``,
+``.tolist()`` or data-dependent shapes, so the preparation is safe under CUDA graphs and
+traceable by ``torch.compile``.
 
 Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N = B*T).
 """
@@ -134,11 +134,13 @@ def _targets_and_weights(
     if seq_weights is not None:
         a_s = seq_weights.detach().to(dtype)
         per_target, share = a_s * per_target, a_s * share
-    elif seq_targets is None:
-        # D: the sequences with a target, an exact integer count as without weights
-        return targets, valid * per_target[seq], share.sum()
-    # valid tokens get w_t = a_s / m_s, the others 0; D = sum_s a_s n_s / m_s = sum_t w_t
-    return targets, valid * per_target[seq], share.to(dtype).sum()
+    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0
+    weight = valid * per_target[seq]
+    if seq_targets is None and seq_weights is None:
+        # D: the sequences with a target, an exact integer count
+        return targets, weight, share.sum()
+    # D: the weight mass sum_s a_s n_s / m_s (packed) or sum_s a_s n_s, = sum_t w_t
+    return targets, weight, share.to(dtype).sum()
 
 
 def count_normaliser(
