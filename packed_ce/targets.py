@@ -134,6 +134,9 @@ def _targets_and_weights(
     if seq_weights is not None:
         a_s = seq_weights.detach().to(dtype)
         per_target, share = a_s * per_target, a_s * share
+    # A malformed cu_seqlens (validation off) may have S = 0 while sequence_ids gives its
+    # tokens slot 0: that slot weighs 0 (as in the kernel) and indexing stays in range.
+    per_target = torch.nn.functional.pad(per_target, (0, num_slots - per_target.numel()))
     # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0
     weight = valid * per_target[seq]
     if seq_targets is None and seq_weights is None:

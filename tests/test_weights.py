@@ -413,6 +413,22 @@ def test_unvalidated_bad_values_agree_and_stay_finite(preparation):
     )
 
 
+@pytest.mark.parametrize("backend_case", BACKENDS)
+def test_unvalidated_empty_cu_seqlens_stays_in_range(backend_case):
+    """cu_seqlens = [0] over N > 0 tokens (S = 0, empty seq_targets and seq_weights), unchecked:
+    nothing is read out of range and no token weighs anything."""
+    backend, device, dtype, _ = backend_case
+    logits = torch.randn(4, 7, dtype=dtype, device=device, requires_grad=True)
+    empty = dict(seq_targets=torch.zeros(0, dtype=torch.int32, device=device),
+                 seq_weights=torch.zeros(0, device=device))
+    loss = packed_ce.cross_entropy(
+        logits, torch.tensor([1, 2, 3, 4], device=device), cu_seqlens=torch.zeros(1, dtype=torch.int32, device=device),
+        is_packed=True, backend=backend, validate=False, **empty,
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and not logits.grad.any()
+
+
 def test_modules_take_them_in_forward():
     gen = torch.Generator().manual_seed(1)
     labels = torch.tensor(LABELS)
