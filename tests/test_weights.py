@@ -22,11 +22,10 @@ import packed_ce
 from packed_ce import LossOptions, count_normaliser
 from packed_ce.targets import prepare_targets
 
+from collators import PackedCollator, pack_dataset, shard_batch
+
 from collator_reference import IGNORE, conversation_mean_loss, lookup_table, packed_weighted_sum
 from loss_utils import KERNEL_DEVICES, OPTION_SETS, random_packing, relative_error
-
-datasets = pytest.importorskip("datasets")  # not on every GPU image
-from collators import PackedCollator, pack_dataset, shard_batch  # noqa: E402
 
 # (backend, device, dtype, relative tolerance against float64): the reference in float64, the
 # kernels in float32 wherever they can run
@@ -186,6 +185,7 @@ def _expected_mean(table, rows):
 
 
 def _split_batches(rows, max_length=16, rows_per_batch=4):
+    datasets = pytest.importorskip("datasets")  # not on every GPU image
     packed = pack_dataset(datasets.Dataset.from_dict(rows), max_length, overflow="split")
     collator = PackedCollator(pad_to_multiple_of=8)
     starts = range(0, packed.num_rows, rows_per_batch)
@@ -559,6 +559,7 @@ def test_count_normaliser_checks_its_arguments():
 
 
 def test_readme_example_runs():
+    pytest.importorskip("datasets")  # the example packs a datasets.Dataset
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Long conversations, weights and context parallelism", 1)[1].split("\n## ", 1)[0]
     (code,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
