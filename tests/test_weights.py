@@ -10,7 +10,6 @@ through the Triton interpreter; the ``cuda`` cases run them compiled.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -307,54 +306,6 @@ def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
         _close(logits.grad[0], whole_logits.grad[0, local.to(device)], tol)
         total = total + part.detach()
     _close(total, whole, tol)
-
-
-def _gloo_rank(rank, port, world_size, out_dir):
-    """One context-parallel rank: the loss of its shard over the whole batch's weight mass, and
-    the table's gradient, all-reduced over the ranks."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on a small CI machine: one thread each
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        batch = PackedCollator(pad_to_multiple_of=2 * world_size)(SHARD_EXAMPLES)
-        # the whole batch's weight mass, the same on every rank
-        mass = count_normaliser(
-            batch["labels"], cu_seqlens=batch["cu_seqlens"], options=LossOptions(is_packed=True, shift=True),
-            **_per_sequence(batch, "cpu"),
-        )
-        shard = shard_batch(batch, rank, world_size)
-        table = lookup_table(40)
-        loss = packed_ce.cross_entropy(
-            table[shard["input_ids"]], shard["shift_labels"], cu_seqlens=shard["cu_seqlens"],
-            num_items_in_batch=mass, is_packed=True, backend="torch", **_per_sequence(shard, "cpu"),
-        )
-        loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        dist.all_reduce(table.grad)
-        torch.save({"loss": total, "grad": table.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_two_gloo_processes_add_up_to_the_whole_batch(tmp_path):
-    """The same across two processes: all-reduced loss and table gradient equal the whole
-    batch's per-conversation mean in one process."""
-    import torch.multiprocessing as mp
-    from integration_utils import free_port
-
-    world_size = 2
-    mp.spawn(_gloo_rank, args=(free_port(), world_size, str(tmp_path)), nprocs=world_size, join=True)
-    table = lookup_table(40)
-    total, mass = packed_weighted_sum(table, PackedCollator(pad_to_multiple_of=2 * world_size)(SHARD_EXAMPLES))
-    whole = total / mass
-    whole.backward()
-    for rank in range(world_size):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        torch.testing.assert_close(result["loss"], whole.detach(), rtol=1e-12, atol=0)
-        torch.testing.assert_close(result["grad"], table.grad, rtol=1e-12, atol=1e-15)
 
 
 # --- weights: what they change and what they do not ------------------------------------------
