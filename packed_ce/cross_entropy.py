@@ -19,6 +19,8 @@ def cross_entropy(
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
     options: LossOptions | None = None,
     **keywords,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -34,6 +36,18 @@ def cross_entropy(
     mean losses and "mean" divides it by the number of sequences that have a target: the loss of
     training the same sequences unpacked, one per row, averaging per sequence.
 
+    A conversation cut into pieces (``pack_dataset(..., overflow="split")``, context-parallel
+    shards) keeps its weight through ``seq_targets``, and conversations can weigh more or less
+    through ``seq_weights``: a target of sequence ``s`` then weighs
+
+        w_t = seq_weights[s] / seq_targets[s]     (is_packed=True)
+        w_t = seq_weights[s]                      (is_packed=False: a weighted token mean)
+
+    (defaults: weight 1, ``seq_targets`` = the sequence's own target count), and "mean" divides
+    by the weight mass ``D = sum_t w_t``. Over all the pieces of a conversation its targets'
+    weights add up to its weight, so summed over an epoch every conversation weighs exactly its
+    weight, however it was cut.
+
     Args:
         logits: ``(N, V)`` or ``(B, T, V)``, float32/bfloat16/float16 (float64 too with
             ``backend="torch"``).
@@ -43,7 +57,13 @@ def cross_entropy(
         position_ids: instead of ``cu_seqlens``, ``N`` entries; a sequence starts at token 0 of
             each row and wherever ``position_ids[t] != position_ids[t-1] + 1``.
         num_items_in_batch: the global ``D`` (int or 0-d tensor) when one optimiser step spans
-            several micro-batches or processes.
+            several micro-batches or processes (:func:`packed_ce.count_normaliser` counts it).
+        seq_targets: ``(S,)`` integer, aligned with ``cu_seqlens`` (needed; not with
+            ``position_ids``), ``is_packed=True`` only: the number of targets of the whole
+            conversation each sequence is a piece of, ``>= 1`` and at least the sequence's own
+            count (``PackedCollator`` and ``collators.shard_batch`` return it).
+        seq_weights: ``(S,)`` float, aligned with ``cu_seqlens`` (needed), finite, ``>= 0``,
+            not requiring a gradient: each sequence's conversation weight.
         options: a :class:`packed_ce.LossOptions`; the keywords below override its fields.
         **keywords: the fields of :class:`packed_ce.LossOptions`: ``is_packed=False``,
             ``shift=False``, ``ignore_index=-100``, ``reduction="mean"``,
@@ -52,8 +72,8 @@ def cross_entropy(
             ``backend="auto"``, ``validate=True`` (each explained there). ``reduction``: "mean" (``sum / D``),
             "sum", or "none" (per token, ``labels``-shaped, summing to "sum"); ``D`` =
             ``num_items_in_batch`` if given, else the number of targets (``is_packed=False``)
-            or of sequences with a target (``is_packed=True``); ``D == 0`` gives loss 0 and
-            zero gradients.
+            or of sequences with a target (``is_packed=True``), or with ``seq_targets`` /
+            ``seq_weights`` the weight mass; ``D == 0`` gives loss 0 and zero gradients.
 
     Returns:
         The loss (float32; float64 for float64 logits on the torch backend): 0-d for "mean" and
@@ -68,8 +88,8 @@ def cross_entropy(
         wrong type or out of range (NaN and infinite floats included), labels outside
         ``[0, V)`` other than ``ignore_index``, malformed ``cu_seqlens``, a negative or
         non-finite ``num_items_in_batch`` (a Python number must be an int), mismatched shapes,
-        ``is_packed=True`` without boundaries, or ``inplace_backward=True`` with logits that
-        are not contiguous. RuntimeError for a second backward through one call on the Triton
+        ``is_packed=True`` without boundaries, a bad ``seq_targets`` / ``seq_weights``, or
+        ``inplace_backward=True`` with logits that are not contiguous. RuntimeError for a second backward through one call on the Triton
         backend (its gradient is scaled in place) and for ``create_graph=True`` there (its
         gradient has no graph); the torch backend is plain autograd and allows both.
 
@@ -97,7 +117,13 @@ def cross_entropy(
     check_tensor("logits", logits)
     options, _ = split_keywords(keywords, options)
     backend = resolve_backend(options.backend, logits)
-    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch)
+    boundaries = Boundaries(
+        cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
+        num_items_in_batch=num_items_in_batch,
+        seq_targets=seq_targets,
+        seq_weights=seq_weights,
+    )
     if options.inplace_backward and not logits.is_contiguous():
         # an expanded (stride-0) or overlapping view would receive several rows' gradients in
         # one place, and a strided one would be copied (nothing written where the caller looks)
@@ -170,6 +196,9 @@ class PackedCrossEntropyLoss(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
+        *,
+        seq_targets: torch.Tensor | None = None,
+        seq_weights: torch.Tensor | None = None,
     ):
         return cross_entropy(
             logits,
@@ -177,6 +206,8 @@ class PackedCrossEntropyLoss(nn.Module):
             cu_seqlens=cu_seqlens,
             position_ids=position_ids,
             num_items_in_batch=num_items_in_batch,
+            seq_targets=seq_targets,
+            seq_weights=seq_weights,
             options=self.options,
         )
 

@@ -40,6 +40,8 @@ def fused_linear_cross_entropy(
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
     options: LossOptions | None = None,
     chunk_options: ChunkOptions | None = None,
     **keywords,
@@ -62,7 +64,8 @@ def fused_linear_cross_entropy(
         weight: ``(V, H)``, the dtype and device of ``hidden`` (an ``lm_head.weight``).
         labels: ``(N,)`` or ``(B, T)`` integer class indices or ``ignore_index``.
         bias: ``(V,)`` or None.
-        cu_seqlens, position_ids, num_items_in_batch: as in :func:`packed_ce.cross_entropy`.
+        cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights: as in
+            :func:`packed_ce.cross_entropy` (the weights ``w_t`` and the normaliser ``D``).
         options: a :class:`packed_ce.LossOptions`, as in :func:`packed_ce.cross_entropy`
             (``inplace_backward`` has no effect here: the logits are internal and their chunk
             buffer always receives the gradient in place; ``backend="torch"`` runs the same
@@ -123,7 +126,13 @@ def fused_linear_cross_entropy(
             stats=stats,
         ),
         labels,
-        Boundaries(cu_seqlens, position_ids, num_items_in_batch),
+        Boundaries(
+            cu_seqlens=cu_seqlens,
+            position_ids=position_ids,
+            num_items_in_batch=num_items_in_batch,
+            seq_targets=seq_targets,
+            seq_weights=seq_weights,
+        ),
         options,
         backend=backend,
         logits_shape=torch.Size((*hidden.shape[:-1], weight.shape[0])),
@@ -139,7 +148,8 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
     Args:
         **options: the fields of :class:`packed_ce.LossOptions` and :class:`packed_ce.ChunkOptions`
             (the keywords of :func:`fused_linear_cross_entropy` except the tensors: ``bias``,
-            ``cu_seqlens``, ``position_ids`` and ``num_items_in_batch`` go to ``forward``).
+            ``cu_seqlens``, ``position_ids``, ``num_items_in_batch``, ``seq_targets`` and
+            ``seq_weights`` go to ``forward``).
 
     Example:
         >>> loss_fn = FusedLinearPackedCrossEntropyLoss(is_packed=True, shift=True)
@@ -162,6 +172,9 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         position_ids: torch.Tensor | None = None,
         num_items_in_batch: int | torch.Tensor | None = None,
         bias: torch.Tensor | None = None,  # after the contract's arguments: an extension
+        *,
+        seq_targets: torch.Tensor | None = None,
+        seq_weights: torch.Tensor | None = None,
     ):
         return fused_linear_cross_entropy(
             hidden,
@@ -171,6 +184,8 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
             cu_seqlens=cu_seqlens,
             position_ids=position_ids,
             num_items_in_batch=num_items_in_batch,
+            seq_targets=seq_targets,
+            seq_weights=seq_weights,
             options=self.options,
             chunk_options=self.chunk_options,
         )

@@ -50,7 +50,9 @@ class LossOptions:
     Attributes:
         is_packed: weight a target of sequence ``s`` by ``1 / n_s`` (``n_s`` = targets in ``s``),
             so "sum" is the sum of per-sequence mean losses and "mean" divides it by the number
-            of sequences with a target; needs ``cu_seqlens`` or ``position_ids``.
+            of sequences with a target; needs ``cu_seqlens`` or ``position_ids``. With the
+            per-call ``seq_targets`` / ``seq_weights`` (:class:`Boundaries`) the weight is
+            ``seq_weights[s] / seq_targets[s]`` and "mean" divides by the weight mass.
         shift: ``labels`` are aligned with the inputs (transformers' causal-LM convention): the
             target of ``logits[t]`` is ``labels[t+1]`` if ``t+1`` is in the same sequence (or
             row, without boundaries), else none. Never crosses a sequence boundary.
@@ -58,7 +60,8 @@ class LossOptions:
         reduction: "mean" (``sum / D``), "sum", or "none" (per token, ``labels``-shaped, summing
             to "sum"). ``D`` = ``num_items_in_batch`` if given, else :func:`count_normaliser`:
             the number of targets (``is_packed=False``) or of sequences with a target
-            (``is_packed=True``). ``D == 0`` gives loss 0 and zero gradients.
+            (``is_packed=True``); with ``seq_targets`` or ``seq_weights`` the weight mass
+            ``sum_t w_t``. ``D == 0`` gives loss 0 and zero gradients.
         label_smoothing: ``eps`` in ``[0, 1]``, PyTorch's meaning.
         z_loss_scale: weight (``>= 0``) of ``lse**2`` in each token's loss.
         softcap: None, or ``c > 0``: logits pass through ``c * tanh(x / c)`` first.
@@ -195,11 +198,21 @@ class Boundaries:
             each row and wherever ``position_ids[t] != position_ids[t-1] + 1``.
         num_items_in_batch: the global ``D`` (an int or a 0-d tensor) when one optimiser step
             spans several micro-batches or processes.
+        seq_targets: ``(S,)`` integer, aligned with ``cu_seqlens`` (which it needs): the number
+            of targets of the whole conversation each sequence belongs to (a conversation split
+            across rows or context-parallel ranks), ``>= 1`` and ``>=`` the sequence's own
+            count. Only with ``is_packed=True``: a target of ``s`` weighs
+            ``1 / seq_targets[s]`` instead of ``1 / n_s``.
+        seq_weights: ``(S,)`` float, aligned with ``cu_seqlens`` (which it needs), finite and
+            ``>= 0``: each sequence's conversation weight, multiplying ``w_t`` of its targets.
+            Data, not a parameter: it must not require a gradient.
     """
 
     cu_seqlens: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None
     num_items_in_batch: int | torch.Tensor | None = None
+    seq_targets: torch.Tensor | None = None
+    seq_weights: torch.Tensor | None = None
 
 
 LOSS_FIELDS = frozenset(field.name for field in dataclasses.fields(LossOptions))

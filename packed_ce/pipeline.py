@@ -9,13 +9,15 @@ else, in this order, is :func:`run_loss`:
    (:func:`packed_ce.validation.check_pending`);
 2. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
    were checked when their :class:`packed_ce.options.LossOptions` was built);
-3. on the torch backend, label range and ``cu_seqlens`` contents are checked now, with a host
-   sync on CUDA (the reference would index out of range on a bad label);
+3. on the torch backend, label range and the contents of ``cu_seqlens``, ``seq_targets`` and
+   ``seq_weights`` are checked now, with a host sync on CUDA (the reference would index out of
+   range on a bad label);
 4. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
 5. on the Triton backend, the same checks are queued on the device without waiting for them
    (:func:`packed_ce.validation.queue_value_checks`; on CPU tensors they run now): a failed one
    makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
-   or at :func:`packed_ce.check_pending`;
+   or at :func:`packed_ce.check_pending`; ``seq_targets`` / ``seq_weights``, when given, are
+   checked after step 6 (one host sync on CUDA: the device record has no room for them yet);
 6. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
    ``return_token_stats``, fills the per-row stats buffer in the same pass);
 7. "none" is reshaped to the labels' shape.
@@ -83,26 +85,30 @@ def run_loss(
         allowed=allowed_dtypes(backend),
         name=name,
     )
-    # what check_values reads (label range, cu_seqlens contents, a tensor count's value)
-    values = (
-        labels,
-        logits_shape[-1],
-        options.ignore_index,
-        boundaries.cu_seqlens,
-        boundaries.num_items_in_batch,
+    vocab = logits_shape[-1]
+    per_sequence = dict(
+        shift=options.shift,
+        seq_targets=boundaries.seq_targets,
+        seq_weights=boundaries.seq_weights,
     )
+    # what check_values reads (label range, cu_seqlens contents, a tensor count's value)
+    values = (labels, vocab, options.ignore_index, boundaries.cu_seqlens)
     if options.validate and backend == "torch":
-        check_values(*values)
+        check_values(*values, boundaries.num_items_in_batch, **per_sequence)
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
     if options.validate and backend == "triton":
-        queue_value_checks(*values[:4], prepared.coef, boundaries.num_items_in_batch)
+        queue_value_checks(*values, prepared.coef, boundaries.num_items_in_batch)
     stats = None
     if options.return_token_stats:
         # zeros: a row the loss skips (no target, left out of the GEMMs) is never written
         stats = torch.zeros(prepared.coef.shape[0], 2, dtype=torch.float32, device=device)
     loss, z_loss = run(prepared, stats)
+    per_sequence_given = boundaries.seq_targets is not None or boundaries.seq_weights is not None
+    if options.validate and backend == "triton" and per_sequence_given:
+        # after the launch, so that the host sync waits for queued work
+        check_values(*values, **per_sequence)
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     outputs = (loss, z_loss) if options.return_z_loss else (loss,)

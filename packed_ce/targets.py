@@ -1,16 +1,22 @@
 """From labels and sequence boundaries to per-token targets and loss coefficients.
 
-Every backend reduces the loss the same way: token ``t`` contributes ``coef[t] * l_t``, where
+Every backend reduces the loss the same way: token ``t`` of sequence ``s`` contributes
+``coef[t] * l_t``, where
 
-    coef[t] = w_t / D            (reduction "mean")
+    coef[t] = w_t / D            (reduction "mean"; D = num_items_in_batch if given)
     coef[t] = w_t                (reduction "sum" and "none")
-    w_t     = 1 / n_s(t)         (is_packed=True, n_s = number of targets in t's sequence)
-    w_t     = 1                  (is_packed=False)
+    w_t     = a_s / m_s          (is_packed=True)
+    w_t     = a_s                (is_packed=False)
+    D       = sum_t w_t          (the weight mass, summed per sequence: sum_s a_s n_s / m_s)
 
-and ``w_t = 0`` for tokens without a target. So the kernels see one flat ``(N,)`` float32
-coefficient per row and never have to know about sequences. Everything here is vectorised
-tensor code on the logits' device: no ``.item()``, ``.tolist()`` or data-dependent shapes, so
-the preparation is safe under CUDA graphs and traceable by ``torch.compile``.
+and ``w_t = 0`` for tokens without a target. ``n_s`` is the number of targets of ``s``,
+``m_s = seq_targets[s]`` (the targets of the whole conversation ``s`` is a piece of; default
+``n_s``) and ``a_s = seq_weights[s]`` (default 1). With neither given, ``D`` is the number of
+sequences with a target (is_packed=True) or of targets (is_packed=False), counted exactly as an
+integer. So the kernels see one flat ``(N,)`` float32 coefficient per row and never have to know
+about sequences. Everything here is vectorised tensor code on the logits' device: no ``.item()``,
+``.tolist()`` or data-dependent shapes, so the preparation is safe under CUDA graphs and
+traceable by ``torch.compile``.
 
 Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N = B*T).
 """
@@ -93,12 +99,14 @@ def _targets_and_weights(
     options: LossOptions,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` of ``dtype`` and the default ``D``
-    (0-d int64), in PyTorch."""
+    """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` of ``dtype`` and the default ``D`` (0-d:
+    int64, or ``dtype`` with ``seq_targets`` / ``seq_weights``), in PyTorch."""
     cu_seqlens, position_ids = boundaries.cu_seqlens, boundaries.position_ids
+    seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
     shift, ignore_index = options.shift, options.ignore_index
     flat = labels.reshape(-1).to(torch.int64)
-    need_seq = options.is_packed or (shift and (cu_seqlens is not None or position_ids is not None))
+    per_sequence = options.is_packed or seq_weights is not None
+    need_seq = per_sequence or (shift and (cu_seqlens is not None or position_ids is not None))
     seq, num_slots = (None, 0)
     if need_seq or (shift and labels.dim() == 2):
         seq, num_slots = sequence_ids(labels, cu_seqlens, position_ids)
@@ -117,16 +125,34 @@ def _targets_and_weights(
         targets = flat
     has_target = targets != ignore_index
     valid = has_target.to(dtype)
+    if not per_sequence:
+        # D: the targets
+        return targets, valid, has_target.sum()
 
+    n_s = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)
+    n_s.index_add_(0, seq, has_target.to(torch.int64))
     if options.is_packed:
-        n_s = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)
-        n_s.index_add_(0, seq, has_target.to(torch.int64))
-        # valid tokens have n_s >= 1, the others get 0 / max(0, 1) = 0
-        weight = valid / n_s.clamp(min=1).to(dtype)[seq]
-        # D: the sequences with a target
-        return targets, weight, (n_s > 0).sum()
-    # D: the targets
-    return targets, valid, has_target.sum()
+        # m_s; clamped to >= 1 (a bad seq_targets when validation is off): never 0 * inf = NaN
+        # for the tokens without a target. The kernel clamps the same way.
+        whole = n_s if seq_targets is None else seq_targets.to(torch.int64)
+        per_target = 1.0 / whole.clamp(min=1).to(dtype)
+        # n_s / m_s: 1 for a whole sequence with a target, its share of a split conversation
+        share = (n_s > 0) if seq_targets is None else n_s.to(dtype) * per_target
+    else:
+        per_target, share = torch.ones((), dtype=dtype, device=flat.device), n_s
+    if seq_weights is not None:
+        a_s = seq_weights.detach().to(dtype)
+        per_target, share = a_s * per_target, a_s * share
+    # A malformed cu_seqlens (validation off) may have S = 0 while sequence_ids gives its
+    # tokens slot 0: that slot weighs 0 (as in the kernel) and indexing stays in range.
+    per_target = torch.nn.functional.pad(per_target, (0, num_slots - per_target.numel()))
+    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0
+    weight = valid * per_target[seq]
+    if seq_targets is None and seq_weights is None:
+        # D: the sequences with a target, an exact integer count
+        return targets, weight, share.sum()
+    # D: the weight mass sum_s a_s n_s / m_s (packed) or sum_s a_s n_s, = sum_t w_t
+    return targets, weight, share.to(dtype).sum()
 
 
 def count_normaliser(
@@ -134,23 +160,39 @@ def count_normaliser(
     *,
     cu_seqlens: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
     options: LossOptions | None = None,
 ) -> torch.Tensor:
     """``D``, what reduction "mean" divides by when ``num_items_in_batch`` is not given.
 
-    The number of targets (``options.is_packed=False``) or of sequences with at least one target
-    (``is_packed=True``), with ``options.shift`` and ``options.ignore_index`` deciding what a
-    target is: the same count the loss uses, so the sum of this over the micro-batches and
-    processes of one optimiser step is that step's ``num_items_in_batch``.
+    The weight mass ``sum_t w_t`` of the module docstring, with ``options.shift`` and
+    ``options.ignore_index`` deciding what a target is: the same count the loss uses, so the sum
+    of this over the micro-batches and processes of one optimiser step is that step's
+    ``num_items_in_batch``. Without ``seq_targets`` and ``seq_weights`` it is the number of
+    targets (``options.is_packed=False``) or of sequences with at least one target
+    (``is_packed=True``).
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels.
         cu_seqlens / position_ids: the sequence boundaries (at most one), or None (each row of
             ``labels`` is one sequence).
+        seq_targets: ``(S,)`` integer, aligned with ``cu_seqlens``: the targets of each
+            sequence's whole conversation (``is_packed=True`` only); see
+            :class:`packed_ce.options.Boundaries`.
+        seq_weights: ``(S,)`` float, aligned with ``cu_seqlens``: each sequence's weight.
         options: the loss's :class:`packed_ce.options.LossOptions` (default ``LossOptions()``).
 
     Returns:
-        0-d int64 tensor on the labels' device.
+        0-d tensor on the labels' device: int64 (an exact count) without ``seq_targets`` and
+        ``seq_weights``, float64 with either (a sum of fractions ``n_s / m_s`` and weights, which
+        the sum over a step's micro-batches and processes keeps exact to ~1e-16; each
+        ``n_s / m_s`` of an unsplit sequence is exactly 1).
+
+    Raises:
+        ValueError / TypeError naming the argument, for ``seq_targets`` / ``seq_weights`` of
+        the wrong type, shape or device, or without ``cu_seqlens`` (their contents are checked
+        by the loss).
 
     Raises:
         TypeError / ValueError naming the argument, for what metadata tells (types, shapes,
@@ -161,18 +203,33 @@ def count_normaliser(
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
         >>> cu_seqlens = torch.tensor([0, 2, 4, 7], dtype=torch.int32)
-        >>> count_normaliser(labels, cu_seqlens=cu_seqlens,          # the middle one has none
-        ...                  options=LossOptions(is_packed=True, shift=True))
+        >>> packed = LossOptions(is_packed=True, shift=True)
+        >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=packed)  # the middle: none
         tensor(2)
         >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=LossOptions(shift=True))
         tensor(3)
+
+        The last sequence is half of a conversation of 4 targets, weighing 3:
+
+        >>> count_normaliser(labels, cu_seqlens=cu_seqlens, options=packed,
+        ...                  seq_targets=torch.tensor([1, 1, 4]),
+        ...                  seq_weights=torch.tensor([1.0, 1.0, 3.0]))
+        tensor(2.5000, dtype=torch.float64)
     """
     check_tensor("labels", labels)
     options, _ = split_keywords({}, options)
-    boundaries = Boundaries(cu_seqlens=cu_seqlens, position_ids=position_ids)
+    boundaries = Boundaries(
+        cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
+        seq_targets=seq_targets,
+        seq_weights=seq_weights,
+    )
+    # checks seq_targets / seq_weights too (check_per_sequence)
     check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
     boundaries = _clamped(boundaries, labels)
-    return _targets_and_weights(labels, boundaries, options, torch.float32)[2]
+    # float64: the step's normaliser is a sum of fractions over micro-batches and processes,
+    # kept exact to ~1e-16 until the loss rounds it once to its compute dtype
+    return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
 
 
 def prepare_targets(
@@ -188,8 +245,9 @@ def prepare_targets(
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels.
-        boundaries: the call's :class:`packed_ce.options.Boundaries` (sequence boundaries and
-            ``num_items_in_batch``, which replaces the normaliser ``D`` of reduction "mean").
+        boundaries: the call's :class:`packed_ce.options.Boundaries` (sequence boundaries,
+            ``seq_targets`` / ``seq_weights`` and ``num_items_in_batch``, which replaces the
+            normaliser ``D`` of reduction "mean"), checked by the caller.
         options: the :class:`packed_ce.options.LossOptions`; read here: ``is_packed`` (weight
             each target by ``1 / n_s`` of its sequence), ``shift`` (the target of token ``t`` is
             ``labels[t+1]`` when ``t+1`` is in the same sequence, else none), ``ignore_index``
@@ -216,6 +274,15 @@ def prepare_targets(
         tensor([   4,    5, -100, -100,    6, -100])
         >>> prepared.coef
         tensor([0.2500, 0.2500, 0.0000, 0.0000, 0.5000, 0.0000])
+
+        The first sequence is now half of a conversation of 4 targets and the second weighs 2:
+        ``w = (1/4, 1/4, 2)``, ``D = 1/4 + 1/4 + 2 = 2.5``.
+
+        >>> prepared = prepare_targets(labels, cu_seqlens=cu_seqlens, is_packed=True, shift=True,
+        ...                            seq_targets=torch.tensor([4, 1]),
+        ...                            seq_weights=torch.tensor([1.0, 2.0]))
+        >>> prepared.coef
+        tensor([0.1000, 0.1000, 0.0000, 0.0000, 0.8000, 0.0000])
     """
     if keywords:
         tensors = {name: keywords.pop(name) for name in BOUNDARY_FIELDS & set(keywords)}
@@ -236,6 +303,8 @@ def prepare_targets(
         targets, weight, num_items = sequence_targets(
             labels.reshape(-1).to(torch.int64),
             boundaries.cu_seqlens,
+            boundaries.seq_targets,
+            boundaries.seq_weights,
             is_packed=options.is_packed,
             shift=options.shift,
             ignore_index=options.ignore_index,

@@ -10,6 +10,8 @@ Two kinds, at two times:
   :func:`queue_value_checks` checks them on CUDA without waiting for the device, and
   :func:`check_pending` raises what it found at the start of the next loss call at the latest.
   Both are skipped while tracing.
+  ``seq_targets`` / ``seq_weights`` contents are read by :func:`check_values` (one host sync
+  on CUDA, also on the kernel path: they are not in the device record).
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
@@ -151,6 +153,53 @@ def check_labels(
     # than the labels' is a mistake
     if isinstance(count, torch.Tensor) and count.device not in (logits_device, torch.device("cpu")):
         raise ValueError(f"num_items_in_batch is on {count.device} but {name} on {logits_device}")
+    check_per_sequence(boundaries, is_packed=is_packed, device=logits_device, name=name)
+
+
+def check_per_sequence(
+    boundaries: Boundaries, *, is_packed: bool, device: torch.device, name: str = "logits"
+) -> None:
+    """``seq_targets`` ``(S,)`` integer and ``seq_weights`` ``(S,)`` float: types, shapes,
+    devices, and the boundaries they are aligned with (``cu_seqlens``, never ``position_ids``,
+    whose number of sequences only the data tell)."""
+    cu_seqlens = boundaries.cu_seqlens
+    seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
+    for arg, tensor in (("seq_targets", seq_targets), ("seq_weights", seq_weights)):
+        if tensor is None:
+            continue
+        check_tensor(arg, tensor)
+        if cu_seqlens is None:
+            raise ValueError(
+                f"{arg} needs cu_seqlens: its entries are aligned with the sequences of "
+                "cu_seqlens (PackedCollator and collators.shard_batch return both)"
+            )
+        sequences = cu_seqlens.numel() - 1
+        if tuple(tensor.shape) != (sequences,):
+            raise ValueError(
+                f"{arg} must have shape (S,) = ({sequences},), one entry per sequence of "
+                f"cu_seqlens, got {tuple(tensor.shape)}"
+            )
+        if tensor.device != device:
+            raise ValueError(f"{arg} is on {tensor.device} but {name} on {device}")
+    if seq_targets is not None:
+        if seq_targets.dtype.is_floating_point or seq_targets.dtype.is_complex or (
+            seq_targets.dtype == torch.bool
+        ):
+            raise TypeError(f"seq_targets must be an integer tensor, got {seq_targets.dtype}")
+        if not is_packed:
+            raise ValueError(
+                "seq_targets weighs each target by its conversation (is_packed=True); with "
+                "is_packed=False every target weighs 1 wherever its conversation was cut: "
+                "pass is_packed=True or drop seq_targets"
+            )
+    if seq_weights is not None:
+        if not seq_weights.dtype.is_floating_point:
+            raise TypeError(f"seq_weights must be a float tensor, got {seq_weights.dtype}")
+        if seq_weights.requires_grad:
+            raise ValueError(
+                "seq_weights must not require a gradient: the loss treats weights as data "
+                "(pass seq_weights.detach())"
+            )
 
 
 def check_num_items(num_items_in_batch) -> None:
@@ -325,20 +374,48 @@ def value_error(
     return None
 
 
+def own_targets(
+    labels: torch.Tensor, cu_seqlens: torch.Tensor, *, shift: bool, ignore_index: int
+) -> torch.Tensor:
+    """``n_s``, the targets of each sequence ``[c_s, c_{s+1})``: ``(S,)`` int64.
+
+    From a prefix count, independently of :mod:`packed_ce.targets`: under ``shift`` the targets
+    of ``s`` are ``labels[c_s + 1 : c_{s+1}]``, else ``labels[c_s : c_{s+1}]``. Indices are
+    clamped to ``[0, N]``, so a malformed ``cu_seqlens`` (reported by :func:`check_values` in
+    the same transfer) reads nothing out of range.
+    """
+    has_target = (labels.reshape(-1) != ignore_index).to(torch.int64)
+    prefix = torch.nn.functional.pad(torch.cumsum(has_target, 0), (1, 0))  # (N+1,)
+    bounds = cu_seqlens.to(torch.int64).clamp(0, has_target.numel())
+    end = bounds[1:].clamp(min=bounds[:-1])
+    start = torch.minimum(bounds[:-1] + int(shift), end)
+    return prefix[end] - prefix[start]
+
+
 def check_values(
     labels: torch.Tensor,
     vocab_size: int,
     ignore_index: int,
     cu_seqlens: torch.Tensor | None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    *,
+    shift: bool = False,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
 ) -> None:
-    """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
-    (finite, ``>= 0``) now: one host sync on CUDA, one bool read.
+    """Checks label range, ``cu_seqlens`` contents, a tensor ``num_items_in_batch``'s value
+    (finite, ``>= 0``), and ``seq_targets`` / ``seq_weights`` contents now: one host sync on
+    CUDA, one bool read.
+
+    ``seq_targets`` must be ``>= 1`` and at least the sequence's own target count (``shift``
+    decides what a target is): a piece cannot have more targets than its conversation.
+    ``seq_weights`` must be finite and ``>= 0``. Both need ``cu_seqlens`` (checked before).
 
     Skipped while tracing (torch.compile, CUDA-graph capture), where no sync is possible, and
     with ``validate=False``. Both backends then give the same defined result on bad values: an
     out-of-range label gives a NaN loss, ``cu_seqlens`` is read as :func:`clamp_cu_seqlens`
-    makes it, and a negative or non-finite ``num_items_in_batch`` gives a NaN loss.
+    makes it, a negative or non-finite ``num_items_in_batch`` gives a NaN loss, and a
+    ``seq_targets`` entry below 1 counts as 1.
     """
     if is_tracing() or labels.device.type == "meta":  # meta tensors have no values to check
         return
@@ -353,17 +430,50 @@ def check_values(
     count = num_items_in_batch if isinstance(num_items_in_batch, torch.Tensor) else None
     if count is not None:
         flags.append(bad_count(count))
+    per_sequence = len(flags)  # where the seq_targets / seq_weights flags start
+    if seq_targets is not None:
+        own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
+        flags += [(seq_targets < 1).any(), (seq_targets < own).any()]
+    if seq_weights is not None:
+        flags += [~(seq_weights.isfinite() & (seq_weights >= 0)).all()]
     # One transfer for all the checks; the detailed message is computed only on failure.
-    if not any(torch.stack(flags).tolist()):
+    failed = torch.stack(flags).tolist()
+    if not any(failed):
         return
-    record = value_record(labels, vocab_size, ignore_index, cu_seqlens, count)
-    raise ValueError(
-        value_error(
-            [record],
-            labels_shape=tuple(labels.shape),
-            vocab_size=vocab_size,
-            ignore_index=ignore_index,
+    if any(failed[:per_sequence]):
+        record = value_record(labels, vocab_size, ignore_index, cu_seqlens, count)
+        raise ValueError(
+            value_error(
+                [record],
+                labels_shape=tuple(labels.shape),
+                vocab_size=vocab_size,
+                ignore_index=ignore_index,
+            )
         )
+    failed = failed[per_sequence:]
+    _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights)
+
+
+def _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_targets, seq_weights):
+    """The message of a failed ``seq_targets`` / ``seq_weights`` flag of :func:`check_values`."""
+    if seq_targets is not None:
+        if failed[0]:
+            bad = (seq_targets < 1).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                f"seq_targets must be >= 1 (1 for a sequence without targets), got "
+                f"{seq_targets[bad].tolist()} at sequences {bad}"
+            )
+        if failed[1]:
+            own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
+            bad = (seq_targets < own).nonzero().flatten()[:5].tolist()
+            raise ValueError(
+                "seq_targets must count the targets of each whole conversation, at least the "
+                f"sequence's own: sequences {bad} have {own[bad].tolist()} targets but "
+                f"seq_targets {seq_targets[bad].tolist()}"
+            )
+    bad = (~(seq_weights.isfinite() & (seq_weights >= 0))).nonzero().flatten()[:5].tolist()
+    raise ValueError(
+        f"seq_weights must be finite and >= 0, got {seq_weights[bad].tolist()} at sequences {bad}"
     )
 
 

@@ -3,7 +3,9 @@
 The PyTorch version in :mod:`packed_ce.targets` takes about 25 small kernels (searchsorted,
 shifts, index_add, ...): a few microseconds of device time each and, worse, their host-side
 launch cost, which shows at small shapes and whenever a host sync empties the launch queue.
-Here one program per sequence counts its targets and writes them with their weights.
+Here one program per sequence counts its targets and writes them with their weights, reading
+the sequence's ``seq_targets`` / ``seq_weights`` entry when given (switches derived from the
+arguments, so a call without them compiles the kernel without those loads).
 
 Dimensions: N tokens, S sequences.
 """
@@ -17,13 +19,21 @@ import triton.language as tl
 from ..runtime import interpreting
 
 
+@triton.heuristics(
+    {
+        "HAS_SEQ_TARGETS": lambda args: args["seq_targets_ptr"] is not None,
+        "HAS_SEQ_WEIGHTS": lambda args: args["seq_weights_ptr"] is not None,
+    }
+)
 @triton.jit
 def _sequence_targets_kernel(
     # data ptrs
     labels_ptr,  # (N,) int64 labels, aligned with the inputs if SHIFT
     cu_seqlens_ptr,  # (S+1,) int32/int64 sequence boundaries
+    seq_targets_ptr,  # (S,) int m_s, targets of each sequence's whole conversation, or None
+    seq_weights_ptr,  # (S,) float a_s, each sequence's weight, or None
     targets_ptr,  # (N,) int64 out: the class row t is scored against, or ignore_index
-    weight_ptr,  # (N,) fp32 out: w_t = 1/n_s (IS_PACKED) or 1 for a target, 0 otherwise
+    weight_ptr,  # (N,) fp32 out: w_t (a_s / m_s if IS_PACKED, else a_s) for a target, else 0
     num_items_ptr,  # () fp32 zero-initialised, atomically increased: D before num_items_in_batch
     # shapes
     N,
@@ -32,6 +42,8 @@ def _sequence_targets_kernel(
     # switches
     SHIFT: tl.constexpr,
     IS_PACKED: tl.constexpr,
+    HAS_SEQ_TARGETS: tl.constexpr,
+    HAS_SEQ_WEIGHTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -51,11 +63,25 @@ def _sequence_targets_kernel(
             y = tl.load(labels_ptr + t, mask=t < end, other=ignore_index)
         count += tl.sum(((y != ignore_index) & (t < end)).to(tl.int32), 0)
 
-    # pass 2 (the sequence's labels again, from L1/L2): targets and weights
+    # w = a_s / m_s per target, and this sequence's share of D = sum_s a_s * n_s / m_s
     if IS_PACKED:
-        w = 1.0 / tl.maximum(count, 1).to(tl.float32)
+        if HAS_SEQ_TARGETS:
+            # >= 1 on the host unless validation is off: clamped as the PyTorch path does
+            whole = tl.maximum(tl.load(seq_targets_ptr + s).to(tl.int64), 1).to(tl.float32)
+            w = 1.0 / whole
+            share = count.to(tl.float32) * w
+        else:
+            w = 1.0 / tl.maximum(count, 1).to(tl.float32)
+            share = (count > 0).to(tl.float32)
     else:
         w = 1.0
+        share = count.to(tl.float32)
+    if HAS_SEQ_WEIGHTS:
+        a = tl.load(seq_weights_ptr + s).to(tl.float32)
+        w = a * w
+        share = a * share
+
+    # pass 2 (the sequence's labels again, from L1/L2): targets and weights
     for block_start in range(start, end, BLOCK):
         t = block_start + offsets
         if SHIFT:
@@ -65,15 +91,14 @@ def _sequence_targets_kernel(
         tl.store(targets_ptr + t, y, mask=t < end)
         tl.store(weight_ptr + t, tl.where(y != ignore_index, w, 0.0), mask=t < end)
 
-    if IS_PACKED:
-        tl.atomic_add(num_items_ptr, (count > 0).to(tl.float32))
-    else:
-        tl.atomic_add(num_items_ptr, count.to(tl.float32))
+    tl.atomic_add(num_items_ptr, share)
 
 
 def sequence_targets(
     labels: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
     *,
     is_packed: bool,
     shift: bool,
@@ -83,10 +108,13 @@ def sequence_targets(
 
     Args:
         labels: ``(N,)`` int64 (flattened). cu_seqlens: ``(S+1,)`` int32/int64.
+        seq_targets: ``(S,)`` integer ``m_s`` or None (each sequence's own count ``n_s``).
+        seq_weights: ``(S,)`` float ``a_s`` or None (1).
 
     Returns:
         ``targets`` ``(N,)`` int64, ``weight`` ``(N,)`` fp32 (``w_t`` of :mod:`packed_ce.targets`)
-        and ``num_items`` ``()`` fp32: sequences with a target (``is_packed``) or targets.
+        and ``num_items`` ``()`` fp32: the weight mass ``sum_s a_s n_s / m_s`` (``is_packed``)
+        or ``sum_s a_s n_s``; without ``seq_targets`` the ``n_s / m_s`` are the exact 0 or 1.
     """
     n = labels.numel()
     # Filled, not empty: tokens outside every sequence (only with a malformed cu_seqlens while
@@ -102,6 +130,8 @@ def sequence_targets(
     _sequence_targets_kernel[(sequences,)](
         labels_ptr=labels,
         cu_seqlens_ptr=cu_seqlens,
+        seq_targets_ptr=None if seq_targets is None else seq_targets.contiguous(),
+        seq_weights_ptr=None if seq_weights is None else seq_weights.detach().contiguous(),
         targets_ptr=targets,
         weight_ptr=weight,
         num_items_ptr=num_items,
