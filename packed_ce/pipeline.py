@@ -16,8 +16,7 @@ else, in this order, is :func:`run_loss`:
 5. on the Triton backend, the same checks are queued on the device without waiting for them
    (:func:`packed_ce.validation.queue_value_checks`; on CPU tensors they run now): a failed one
    makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
-   or at :func:`packed_ce.check_pending`; ``seq_targets`` / ``seq_weights``, when given, are
-   checked after step 6 (one host sync on CUDA: the device record has no room for them yet);
+   or at :func:`packed_ce.check_pending` (``seq_targets`` / ``seq_weights`` included);
 6. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
    ``return_token_stats``, fills the per-row stats buffer in the same pass);
 7. "none" is reshaped to the labels' shape.
@@ -99,16 +98,14 @@ def run_loss(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
     if options.validate and backend == "triton":
-        queue_value_checks(*values, prepared.coef, boundaries.num_items_in_batch)
+        queue_value_checks(
+            *values, prepared.coef, boundaries.num_items_in_batch, **per_sequence
+        )
     stats = None
     if options.return_token_stats:
         # zeros: a row the loss skips (no target, left out of the GEMMs) is never written
         stats = torch.zeros(prepared.coef.shape[0], 2, dtype=torch.float32, device=device)
     loss, z_loss = run(prepared, stats)
-    per_sequence_given = boundaries.seq_targets is not None or boundaries.seq_weights is not None
-    if options.validate and backend == "triton" and per_sequence_given:
-        # after the launch, so that the host sync waits for queued work
-        check_values(*values, **per_sequence)
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     outputs = (loss, z_loss) if options.return_z_loss else (loss,)

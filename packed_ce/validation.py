@@ -286,6 +286,10 @@ RECORD_FIELDS = (
     "decrease_before",  # cu_seqlens[s]
     "decrease_after",  # cu_seqlens[s+1]
     "bad_count",  # 1 if a tensor num_items_in_batch is negative or not finite, else 0
+    # the per-sequence tensors (row 0 only; filled by PyTorch ops, see queue_value_checks)
+    "seq_targets_below_one",  # 1 if an entry of seq_targets is < 1
+    "seq_targets_below_own",  # 1 if an entry is below its sequence's own target count
+    "seq_weights_bad",  # 1 if an entry of seq_weights is negative or not finite
 )
 
 
@@ -321,11 +325,32 @@ def value_record(
     record = [len(bad), bad[0] if bad else -1, int(flat[bad[0]]) if bad else 0]
     count_field = [int(bad_count(count))] if count is not None else [0]
     if cu_seqlens is None:
-        return record + [0, flat.numel(), -1, 0, 0] + count_field
+        return record + [0, flat.numel(), -1, 0, 0] + count_field + [0, 0, 0]
     cu = cu_seqlens.tolist()
     at = next((s for s in range(len(cu) - 1) if cu[s + 1] < cu[s]), -1)
     boundaries = [cu[0], cu[-1], at, cu[at] if at >= 0 else 0, cu[at + 1] if at >= 0 else 0]
-    return record + boundaries + count_field
+    return record + boundaries + count_field + [0, 0, 0]
+
+
+def per_sequence_flags(
+    labels: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    shift: bool,
+    ignore_index: int,
+    seq_targets: torch.Tensor | None,
+    seq_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """``(3,)`` bool on the labels' device, no host sync: ``seq_targets`` below 1, below the
+    sequence's own target count, ``seq_weights`` negative or not finite (False where absent)."""
+    flags = torch.zeros(3, dtype=torch.bool, device=labels.device)
+    if seq_targets is not None:
+        own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
+        flags[0] = (seq_targets < 1).any()
+        flags[1] = (seq_targets < own).any()
+    if seq_weights is not None:
+        flags[2] = ~(seq_weights.isfinite() & (seq_weights >= 0)).all()
+    return flags
 
 
 def value_error(
@@ -355,7 +380,16 @@ def value_error(
             f"found {bad} bad value{'s' if bad > 1 else ''}, the first "
             f"labels[{', '.join(position)}] = {value}"
         )
-    cu_first, cu_last, at, before, after, count_failed = rows[0][3:]
+    cu_first, cu_last, at, before, after, count_failed, below_one, below_own, bad_weight = rows[0][3:]
+    if below_one:
+        return "seq_targets must be >= 1 (1 for a sequence without targets)"
+    if below_own:
+        return (
+            "seq_targets must count the targets of each whole conversation, at least the "
+            "sequence's own"
+        )
+    if bad_weight:
+        return "seq_weights must be finite and >= 0"
     if count_failed:
         return (
             "num_items_in_batch must be finite and >= 0: pass the number of targets (or the "
@@ -460,7 +494,7 @@ def _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_tar
         if failed[0]:
             bad = (seq_targets < 1).nonzero().flatten()[:5].tolist()
             raise ValueError(
-                f"seq_targets must be >= 1 (1 for a sequence without targets), got "
+                f"seq_targets must be >= 1 (1 for a sequence without targets): got "
                 f"{seq_targets[bad].tolist()} at sequences {bad}"
             )
         if failed[1]:
@@ -473,7 +507,7 @@ def _raise_per_sequence(failed, labels, cu_seqlens, shift, ignore_index, seq_tar
             )
     bad = (~(seq_weights.isfinite() & (seq_weights >= 0))).nonzero().flatten()[:5].tolist()
     raise ValueError(
-        f"seq_weights must be finite and >= 0, got {seq_weights[bad].tolist()} at sequences {bad}"
+        f"seq_weights must be finite and >= 0: got {seq_weights[bad].tolist()} at sequences {bad}"
     )
 
 
@@ -554,9 +588,13 @@ def queue_value_checks(
     cu_seqlens: torch.Tensor | None,
     coef: torch.Tensor,
     num_items_in_batch: int | torch.Tensor | None = None,
+    *,
+    shift: bool = False,
+    seq_targets: torch.Tensor | None = None,
+    seq_weights: torch.Tensor | None = None,
 ) -> None:
-    """Checks label range, ``cu_seqlens`` contents and a tensor ``num_items_in_batch``'s value
-    without waiting for the device.
+    """Checks label range, ``cu_seqlens`` contents, a tensor ``num_items_in_batch``'s value and
+    ``seq_targets`` / ``seq_weights`` contents without waiting for the device.
 
     On CUDA (:func:`defers_checks`) one kernel computes the checks' record, a non-blocking copy
     brings it to pinned host memory, and :func:`check_pending` reads it, at the start of the next
@@ -571,11 +609,17 @@ def queue_value_checks(
         coef: ``(N,)`` fp32, the call's loss coefficients (:class:`packed_ce.targets.Targets`).
         num_items_in_batch: the call's normaliser; checked when it is a tensor (a Python number
             was checked with the arguments).
+        shift, seq_targets, seq_weights: as :func:`check_values` reads them. Their checks are a
+            few PyTorch ops (:func:`per_sequence_flags`) written into the record's first row;
+            a failed one makes every coefficient NaN.
     """
+    per_sequence = dict(shift=shift, seq_targets=seq_targets, seq_weights=seq_weights)
     if is_tracing() or labels.device.type == "meta":
         return
     if not defers_checks(labels.device):
-        check_values(labels, vocab_size, ignore_index, cu_seqlens, num_items_in_batch)
+        check_values(
+            labels, vocab_size, ignore_index, cu_seqlens, num_items_in_batch, **per_sequence
+        )
         return
     from .kernels.checks import launch_value_checks
 
@@ -583,6 +627,12 @@ def queue_value_checks(
     record = launch_value_checks(
         labels, cu_seqlens, coef, count, vocab_size=vocab_size, ignore_index=ignore_index
     )
+    if seq_targets is not None or seq_weights is not None:
+        flags = per_sequence_flags(
+            labels, cu_seqlens, ignore_index=ignore_index, **per_sequence
+        )
+        record[0, 9:12] = flags
+        coef.masked_fill_(flags.any(), float("nan"))
     done = None
     if record.is_cuda:
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)

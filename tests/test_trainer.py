@@ -207,3 +207,53 @@ def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch
     assert validation._pending == []
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), initial[name]), f"{name} was stepped on bad input"
+
+
+def test_split_and_weighted_conversations_keep_their_weight(tmp_path):
+    """Conversations longer than the row split into pieces (overflow="split") and weighted by a
+    `weight` column: one PackedTrainer step (two micro-batches) equals the loop that runs every
+    piece alone and weighs each target by its conversation's weight / whole target count,
+    divided by the weight mass of the step. Without the seq_targets / seq_weights columns (the
+    trainer keeps them) a split conversation would weigh as many conversations as it has pieces."""
+    import torch.nn.functional as F
+
+    lengths = [70, 5, 45, 12, 33, 20, 64, 9]
+    conversations = synthetic_conversations(lengths, VOCAB, seed=3)
+    for i, conversation in enumerate(conversations):
+        conversation["weight"] = [0.5, 1.0, 2.0][i % 3]
+    rows = pack_dataset(Dataset.from_list(conversations), max_length=32, overflow="split")
+    assert max(len(t) for t in rows["seq_targets"]) and rows.num_rows > 2
+
+    truth = tiny_model("llama", VOCAB)
+    optimizer, _ = sgd(truth)
+    total, mass = 0.0, 0.0
+    for row in rows:
+        start = 0
+        for length, targets, weight in zip(row["seq_lengths"], row["seq_targets"], row["seq_weights"]):
+            ids = torch.tensor([row["input_ids"][start : start + length]])
+            labels = torch.tensor(row["labels"][start : start + length])
+            labels[0] = -100  # the collator's first label of every sequence
+            start += length
+            trained = (labels[1:] != -100).sum().item()
+            if trained == 0:
+                continue
+            logits = truth(input_ids=ids, use_cache=False).logits[0, :-1]
+            token_sum = F.cross_entropy(logits, labels[1:], ignore_index=-100, reduction="sum")
+            total = total + weight / targets * token_sum
+            mass += weight * trained / targets
+    (total / mass).backward()
+    optimizer.step()
+
+    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = SequentialPackedTrainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=1, per_device_train_batch_size=(rows.num_rows + 1) // 2),
+        train_dataset=rows,
+        data_collator=PackedCollator(),
+        optimizers=sgd(model),
+    )
+    trainer.train()
+    expected = updates(truth, initial)
+    worst = assert_gradients_close(updates(model, initial), expected)
+    print(f"split + weighted: worst relative parameter-update error {worst:.2e}")

@@ -46,8 +46,9 @@ class PackedNormaliserMixin:
     - ``num_items_in_batch`` is the number of sequences with at least one target (with
       ``is_packed=True``; the number of targets with ``is_packed=False``) over all micro-batches
       of the optimiser step and all processes;
-    - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``:
-      without it a packed row would be collated as one sequence;
+    - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``
+      (without it a packed row would be collated as one sequence), and so are ``seq_targets`` and
+      ``seq_weights`` (a split or weighted conversation keeps its weight);
     - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
     - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
       trainer may call a model with the packed loss: any other ``Trainer`` is refused.
@@ -83,8 +84,10 @@ class PackedNormaliserMixin:
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
-        if "seq_lengths" not in self._signature_columns:
-            self._signature_columns.append("seq_lengths")
+        # the collator's inputs: the packed row's boundaries and each conversation's weight
+        for column in ("seq_lengths", "seq_targets", "seq_weights"):
+            if column not in self._signature_columns:
+                self._signature_columns.append(column)
 
     def _get_num_items_in_batch(
         self, batch_samples: list, device: torch.device

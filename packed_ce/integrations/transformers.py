@@ -36,7 +36,8 @@ from torch import nn
 
 from ..cross_entropy import cross_entropy
 from ..stats import TokenStats
-from ..targets import prepare_targets, sequence_ids
+from ..options import LossOptions
+from ..targets import count_normaliser, prepare_targets
 
 # The forward pre-hook passes the model's ``position_ids`` to the loss under this keyword; like any
 # extra keyword it also reaches the attention functions, which ignore keywords they do not know.
@@ -58,22 +59,33 @@ TOKEN_STATS_KEY = "packed_ce_token_stats"
 _MISSING = object()
 
 
-def sequence_boundaries(labels: torch.Tensor, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def sequence_boundaries(
+    labels: torch.Tensor, batch: Mapping[str, Any], *, is_packed: bool = True
+) -> dict[str, torch.Tensor]:
     """The sequence boundaries of ``labels`` found in a batch or in a model's loss keywords.
 
     Args:
         labels: ``(B, T)`` or ``(N,)`` integer labels; the boundaries are moved to their device.
         batch: a collated batch or the keywords a model passes to its loss function.
+        is_packed: whether the loss weighs per sequence; ``seq_targets`` only matter then.
 
     Returns:
         ``{"cu_seqlens": ...}`` or ``{"position_ids": ...}``, keywords for
         :func:`packed_ce.cross_entropy`. Taken from ``cu_seqlens``, else ``cu_seq_lens_q``, else
         ``position_ids`` (or what the forward pre-hook of :func:`apply_packed_loss` passed on),
-        else one sequence per row of ``labels``: ``cu_seqlens = [0, T, 2T, ..., B*T]``.
+        else one sequence per row of ``labels``: ``cu_seqlens = [0, T, 2T, ..., B*T]``. With
+        the batch's ``cu_seqlens``, its ``seq_targets`` (with ``is_packed``) and ``seq_weights``
+        come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
+        conversation split across rows, micro-batches or ranks keeps its weight.
     """
-    for key in ("cu_seqlens", "cu_seq_lens_q"):
-        if batch.get(key) is not None:
-            return {"cu_seqlens": batch[key].to(labels.device)}
+    if batch.get("cu_seqlens") is not None:
+        found = {"cu_seqlens": batch["cu_seqlens"].to(labels.device)}
+        for key in ("seq_targets", "seq_weights") if is_packed else ("seq_weights",):
+            if batch.get(key) is not None:
+                found[key] = batch[key].to(labels.device)
+        return found
+    if batch.get("cu_seq_lens_q") is not None:
+        return {"cu_seqlens": batch["cu_seq_lens_q"].to(labels.device)}
     for key in (POSITION_IDS_KEY, "position_ids"):
         if batch.get(key) is not None:
             return {"position_ids": batch[key].to(labels.device)}
@@ -207,7 +219,7 @@ class PackedCausalLMLoss:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(device)
         keywords = dict(
-            sequence_boundaries(targets, kwargs),
+            sequence_boundaries(targets, kwargs, is_packed=self.is_packed),
             is_packed=self.is_packed,
             shift=shift,
             ignore_index=self.ignore_index,
@@ -615,10 +627,11 @@ def count_num_items(
     """``num_items_in_batch`` for one optimiser step: what the loss of the whole step divides by.
 
     With ``is_packed=True`` the number of sequences that have at least one target, with
-    ``is_packed=False`` the number of targets, over every micro-batch of the step and, with
-    ``all_reduce``, every process of the default (or given) process group. Passing it to each
-    micro-batch's loss makes the summed gradients of the step those of one loss over the whole
-    global batch. Data-parallel wrappers average the gradients over the ``W`` processes, so
+    ``is_packed=False`` the number of targets (with ``seq_targets`` / ``seq_weights`` in a
+    batch: the weight mass, :func:`packed_ce.count_normaliser`), over every micro-batch of the
+    step and, with ``all_reduce``, every process of the default (or given) process group.
+    Passing it to each micro-batch's loss makes the summed gradients of the step those of one
+    loss over the whole global batch. Data-parallel wrappers average the gradients over the ``W`` processes, so
     multiply each micro-batch's loss by ``W`` before ``backward`` (the Trainer does this when
     ``average_tokens_across_devices=True``; :class:`PackedTrainer` counts with this function).
 
@@ -632,7 +645,8 @@ def count_num_items(
         group: the process group of the sum (default: the whole world).
 
     Returns:
-        0-d int64 tensor on the labels' device (on the current CUDA device with NCCL).
+        0-d tensor on the labels' device (on the current CUDA device with NCCL): int64, or
+        float64 when a batch carries ``seq_targets`` or ``seq_weights``.
 
     Example:
         >>> batch = {"labels": torch.tensor([[-100, 5, -100, -100, -100, 7, 8]]),
@@ -659,19 +673,13 @@ def count_num_items(
 
 
 def _count_items(batch: Mapping[str, Any], *, is_packed: bool, shift: bool, ignore_index: int):
-    """Targets (or sequences with a target) of one batch, as a 0-d int64 tensor."""
-    shift_labels = batch.get("shift_labels")
-    if shift_labels is None and not shift:
-        shift_labels = batch["labels"]
-    labels = batch["labels"] if shift_labels is None else shift_labels
-    boundaries = sequence_boundaries(labels, batch)
-    # The same targets as the loss: shifted inside sequences, never across a boundary.
-    has_target = next_token_targets(labels, batch, ignore_index, shift_labels) != ignore_index
-    if not is_packed:
-        return has_target.sum()
-    seq, num_slots = sequence_ids(
-        labels, boundaries.get("cu_seqlens"), boundaries.get("position_ids")
+    """What the loss of one batch divides by (:func:`packed_ce.count_normaliser`), 0-d."""
+    labels = batch.get("shift_labels")
+    if labels is None:
+        labels = batch["labels"]
+    else:
+        shift = False  # already shifted
+    options = LossOptions(is_packed=is_packed, shift=shift, ignore_index=ignore_index)
+    return count_normaliser(
+        labels, options=options, **sequence_boundaries(labels, batch, is_packed=is_packed)
     )
-    per_sequence = torch.zeros(num_slots, dtype=torch.int64, device=labels.device)
-    per_sequence.index_add_(0, seq, has_target.to(torch.int64))
-    return (per_sequence > 0).sum()

@@ -99,6 +99,9 @@ def _value_checks_kernel(
         failed = failed | count_failed
     else:
         tl.store(row + 8, tl.zeros((), tl.int64))
+    # the per-sequence fields: 0 here, set in row 0 by PyTorch ops when there is something to check
+    for field in tl.static_range(9, FIELDS):
+        tl.store(row + field, tl.zeros((), tl.int64))
     # A NaN coefficient makes the loss kernel give the row a NaN loss and gradient, target or
     # not. The store is masked off, so no memory traffic, unless a check failed.
     poison_end = tl.where(failed, N, 0)
