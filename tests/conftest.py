@@ -98,3 +98,15 @@ def per_sequence_loss(
 def per_sequence_loss_fixture():
     """:func:`per_sequence_loss`, the ground truth of every loss test."""
     return per_sequence_loss
+
+
+@pytest.fixture(autouse=True)
+def no_pending_checks_between_tests():
+    """Each test starts and ends with no value check pending (on CUDA they are read one call
+    later): a test that expects a deferred error reads it with ``packed_ce.check_pending()``, and
+    a leftover never raises inside the next, unrelated test."""
+    from packed_ce import validation
+
+    validation._pending.clear()
+    yield
+    validation._pending.clear()

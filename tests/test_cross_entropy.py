@@ -577,11 +577,13 @@ def test_narrow_label_dtypes_are_checked_as_integers(backend_device, dtype, voca
         bad[1] = vocab  # out of range, representable in the dtype
         with pytest.raises(ValueError, match="labels"):
             packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+            packed_ce.check_pending()  # on CUDA the values are checked on the device
     if dtype != torch.uint8:
         bad = narrow.clone()
         bad[1] = -1
         with pytest.raises(ValueError, match="labels"):
             packed_ce.cross_entropy(logits, bad, ignore_index=ignore_index, backend=backend)
+            packed_ce.check_pending()  # on CUDA the values are checked on the device
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
@@ -605,6 +607,7 @@ def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, r
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="cu_seqlens"):
         packed_ce.cross_entropy(logits.float().to(device), labels.to(device), cu_seqlens=cu, backend=backend, **kwargs)
+        packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss, grad = _loss_and_grad(
         lambda x: packed_ce.cross_entropy(x, labels.to(device), cu_seqlens=cu, backend=backend, validate=False, **kwargs),
         logits.float().to(device),
@@ -650,6 +653,7 @@ def test_bad_tensor_num_items(backend_device, value):
     count = torch.tensor(value, device=device)
     with pytest.raises(ValueError, match="num_items_in_batch"):
         packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend)
+        packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss = packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend, validate=False)
     loss.backward()
     assert torch.isnan(loss) and torch.isnan(logits.grad).all()

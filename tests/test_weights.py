@@ -490,8 +490,12 @@ def test_bad_input_raises_naming_the_argument(backend_case, case):
     # (meta tensors stay where they are: the device check must see them)
     keywords = {k: v.to(device) if torch.is_tensor(v) and not v.is_meta else v for k, v in keywords.items()}
     logits = torch.zeros(len(LABELS), 11, dtype=dtype, device=device)
+    if device == "cuda" and backend == "triton":
+        # checked on the device: the deferred error names the check, not the positions
+        pattern = pattern.split(":")[0]
     with pytest.raises(error, match=pattern):
         packed_ce.cross_entropy(logits, torch.tensor(LABELS, device=device), **keywords)
+        packed_ce.check_pending()
 
 
 def test_count_normaliser_checks_its_arguments():
