@@ -531,9 +531,10 @@ def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
         tensor([0, 5, 5, 6])
     """
     clamped = torch.cummax(cu_seqlens.clamp(0, num_tokens), dim=0).values
-    clamped[0] = 0
+    # slices filled with Python numbers: `clamped[0] = 0` copies a host scalar (a host sync)
+    clamped[:1].zero_()
     if clamped.numel() > 1:
-        clamped[-1] = num_tokens
+        clamped[-1:].fill_(num_tokens)
     return clamped
 
 

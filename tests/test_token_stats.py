@@ -102,9 +102,10 @@ def test_stats_match_categorical(backend, device, fused, drop, reduction, is_pac
     (grad,) = torch.autograd.grad(loss.sum(), weight)
     plain = run(fused, hidden, weight, bias, labels, device, **options)
     (plain_grad,) = torch.autograd.grad(plain.sum(), weight)
-    # (equal_nan: the torch backend's loss is NaN with a -inf logit; only the stats are checked)
-    torch.testing.assert_close(loss, plain, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(grad, plain_grad, rtol=0, atol=0, equal_nan=True)
+    # Up to one fp32 ulp (2**-23 relative, 3e-7 with margin): the kernel compiled with the
+    # stats switch may contract a multiply-add of the loss differently (seen once on an H100).
+    torch.testing.assert_close(loss, plain, rtol=3e-7, atol=0, equal_nan=True)
+    torch.testing.assert_close(grad, plain_grad, rtol=3e-7, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend, device", BACKENDS)
