@@ -1,4 +1,5 @@
-"""Every ``python`` code block of README.md runs as written, so that none can rot.
+"""Every ``python`` code block of README.md and docs/reference.md runs as written, so that none
+can rot.
 
 Each block runs alone (a fresh namespace, a temporary working directory), on the CPU, as a
 reader would paste it. Signature listings are ``text`` blocks and are not run.
@@ -14,8 +15,12 @@ import pytest
 
 import collators
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BLOCKS = [
+    block
+    for doc in (ROOT / "README.md", ROOT / "docs" / "reference.md")
+    for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(), flags=re.S | re.M)
+]
 
 
 def test_readme_has_the_blocks():
@@ -39,4 +44,4 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
     if "trl" in code:
         pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
