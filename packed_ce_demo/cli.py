@@ -40,6 +40,18 @@ def _positive(kind):
     return parse
 
 
+def _add_data_arguments(command: argparse.ArgumentParser, max_length: int) -> None:
+    """--dataset, --tokenizer and --max-length: what both commands tokenize and pack."""
+    command.add_argument("--dataset", default=None, help=DATA_HELP)
+    command.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    command.add_argument(
+        "--max-length",
+        type=_positive(int),
+        default=max_length,
+        help="tokens per packed row (default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="packed-ce",
@@ -59,17 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and the throughputs; writes report.json and losses.png to --output-dir. Exits with "
         "status 1 if the difference is over the tolerance.",
     )
-    demo.add_argument("--dataset", default=None, help=DATA_HELP)
-    demo.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
+    _add_data_arguments(demo, max_length=512)
     demo.add_argument(
         "--model-config",
         default=None,
         help="the model: a JSON file of configuration fields ('model_type' defaults to llama, "
         "'vocab_size' to the tokenizer's) or a hub name whose configuration is used with random "
         "weights (default: a 2-layer Llama, hidden size 64)",
-    )
-    demo.add_argument(
-        "--max-length", type=_positive(int), default=512, help="tokens per packed row (default: %(default)s)"
     )
     demo.add_argument(
         "--steps", type=_positive(int), default=12, help="optimiser steps of each run (default: %(default)s)"
@@ -114,11 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "packing statistics. Load the result with datasets.load_from_disk and collate it with "
         "collators.PackedCollator.",
     )
-    pack.add_argument("--dataset", default=None, help=DATA_HELP)
-    pack.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
-    pack.add_argument(
-        "--max-length", type=_positive(int), default=4096, help="tokens per packed row (default: %(default)s)"
-    )
+    _add_data_arguments(pack, max_length=4096)
     pack.add_argument(
         "--overflow",
         default="truncate",
