@@ -12,16 +12,10 @@
 - :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """
 
+from .batch import count_num_items, next_token_targets, sequence_boundaries
+from .loss import PackedCausalLMLoss
 from .tiny import tiny_causal_lm
-from .transformers import (
-    PackedCausalLMLoss,
-    apply_packed_loss,
-    count_num_items,
-    next_token_targets,
-    packed_loss_of,
-    remove_packed_loss,
-    sequence_boundaries,
-)
+from .transformers import apply_packed_loss, packed_loss_of, remove_packed_loss
 
 __all__ = [
     "PackedCausalLMLoss",

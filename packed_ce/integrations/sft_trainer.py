@@ -23,13 +23,9 @@ from trl import SFTTrainer
 
 from ..stats import TokenStats
 from .trainer import PackedNormaliserMixin
-from .transformers import (
-    TOKEN_STATS_KEY,
-    _check_fusable,
-    apply_packed_loss,
-    installation_of,
-    packed_loss_of,
-)
+from .fused_forward import _check_fusable
+from .loss import TOKEN_STATS_KEY
+from .transformers import apply_packed_loss, installation_of, packed_loss_of
 
 # Packing strategies that cut a conversation across rows: its pieces would each be averaged as a
 # conversation of its own until rows carry each piece's whole-conversation target count.

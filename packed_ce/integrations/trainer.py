@@ -23,7 +23,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from ..validation import check_pending
-from .transformers import count_num_items, packed_loss_of
+from .batch import count_num_items
+from .transformers import packed_loss_of
 
 
 class CheckPendingValues(TrainerCallback):

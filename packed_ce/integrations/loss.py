@@ -1,0 +1,155 @@
+"""The packed loss as a transformers causal-LM loss function: :class:`PackedCausalLMLoss`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..cross_entropy import cross_entropy
+from ..stats import TokenStats
+from .batch import sequence_boundaries
+
+# With this keyword set to True in a model call, the packed loss (on the logits, or the fused
+# forward's) also computes the targets' TokenStats in its own pass and keeps them on the model's
+# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like POSITION_IDS_KEY it also
+# reaches the attention functions, which ignore keywords they do not know.
+TOKEN_STATS_KEY = "packed_ce_token_stats"
+
+
+class PackedCausalLMLoss:
+    """A transformers causal-LM loss function backed by :func:`packed_ce.cross_entropy`.
+
+    Called like transformers' ``ForCausalLMLoss``: ``labels`` are aligned with ``input_ids`` and
+    shifted inside (``shift=True``), never across a sequence boundary; a ``shift_labels`` keyword
+    (already shifted labels, as some padding-free collators emit) is used as is. The reduction is
+    "mean": with ``is_packed=True`` the mean over sequences of each sequence's mean token loss,
+    with ``is_packed=False`` the mean over target tokens (what ``ForCausalLMLoss`` computes), each
+    divided by ``num_items_in_batch`` instead when the caller gives it.
+
+    ``final_logit_softcapping`` is not applied here: the models that have it (Gemma 2 and later)
+    cap the logits in ``forward`` before calling the loss. The fused forward of
+    :func:`apply_packed_loss`, which sees hidden states, applies it.
+
+    Args:
+        is_packed: average per sequence (True) or per token (False).
+        ignore_index: label value that is not a target.
+        label_smoothing: ``eps`` of :func:`packed_ce.cross_entropy`.
+        z_loss_scale: weight of ``logsumexp**2`` in each token's loss.
+        inplace_backward: let the backward overwrite the returned ``outputs.logits`` with their
+            gradient (saves one ``(N, V)`` buffer; only when nothing reads the logits after the
+            backward, and not with a model that soft-caps its logits, whose ``tanh`` backward
+            reads them).
+        backend: "auto", "triton" or "torch", as in :func:`packed_ce.cross_entropy`.
+        validate: check labels and boundaries (on CUDA on the device, without a host sync: see
+            :func:`packed_ce.check_pending`).
+
+    A call with the keyword ``packed_ce_token_stats=True`` (:data:`TOKEN_STATS_KEY`, passed to
+    ``model(...)``, which hands its extra keywords to the loss) also computes the
+    :class:`packed_ce.TokenStats` of its targets in the loss's own pass over the logits and
+    keeps them for :meth:`take_token_stats`; so does the fused forward of
+    :func:`apply_packed_loss`. They live on this object, which the model holds, so they are
+    found the same way under DDP or FSDP wrappers.
+
+    Example:
+        >>> loss_fn = PackedCausalLMLoss(is_packed=True)
+        >>> logits = torch.zeros(1, 5, 4)                   # uniform: every token loss is log 4
+        >>> labels = torch.tensor([[-100, 1, 2, -100, 3]])  # two sequences: tokens 0-2 and 3-4
+        >>> loss_fn(logits, labels, 4, cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32))
+        tensor(1.3863)
+    """
+
+    def __init__(
+        self,
+        *,
+        is_packed: bool = True,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        z_loss_scale: float = 0.0,
+        inplace_backward: bool = False,
+        backend: str = "auto",
+        validate: bool = True,
+    ):
+        self.is_packed = is_packed
+        self.ignore_index = ignore_index
+        self.options = dict(
+            label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale,
+            inplace_backward=inplace_backward,
+            backend=backend,
+            validate=validate,
+        )
+        self.token_stats: TokenStats | None = None
+
+    def take_token_stats(self) -> TokenStats | None:
+        """The stats of the last call made with :data:`TOKEN_STATS_KEY`, once; then None."""
+        stats, self.token_stats = self.token_stats, None
+        return stats
+
+    def loss_keywords(
+        self,
+        labels: torch.Tensor,
+        device: torch.device,
+        shift_labels: torch.Tensor | None,
+        num_items_in_batch: int | torch.Tensor | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Targets and keywords of :func:`packed_ce.cross_entropy` for one model call.
+
+        Returns:
+            ``(targets, keywords)``: ``labels`` (or ``shift_labels``) on ``device`` and the keyword
+            arguments that go with them.
+        """
+        shift = shift_labels is None
+        targets = (labels if shift else shift_labels).to(device)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(device)
+        keywords = dict(
+            sequence_boundaries(targets, kwargs, is_packed=self.is_packed),
+            is_packed=self.is_packed,
+            shift=shift,
+            ignore_index=self.ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            **self.options,
+        )
+        return targets, keywords
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The loss of one forward pass.
+
+        Args:
+            logits: ``(B, T, V)`` float32/bfloat16/float16, already soft-capped by the model.
+            labels: ``(B, T)`` aligned with ``input_ids``; ``ignore_index`` where not trained.
+            vocab_size: unused (``V`` is read from ``logits``); part of transformers' call.
+            num_items_in_batch: the normaliser of the whole optimiser step (see
+                :func:`count_num_items`); the local count when None.
+            shift_labels: ``(B, T)`` labels already shifted (target of ``logits[t]``), or None.
+            **kwargs: the model call's extra keywords, read for ``cu_seqlens``,
+                ``cu_seq_lens_q``, ``packed_ce_position_ids`` and ``packed_ce_token_stats``;
+                the rest is ignored.
+
+        Returns:
+            0-d float32 loss.
+        """
+        targets, keywords = self.loss_keywords(
+            labels, logits.device, shift_labels, num_items_in_batch, kwargs
+        )
+        if not kwargs.get(TOKEN_STATS_KEY):
+            return cross_entropy(logits, targets, **keywords)
+        loss, self.token_stats = cross_entropy(
+            logits, targets, return_token_stats=True, **keywords
+        )
+        return loss
+
+    def __repr__(self) -> str:
+        options = dict(is_packed=self.is_packed, ignore_index=self.ignore_index, **self.options)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
