@@ -129,7 +129,7 @@ def sequence_targets(
     block = 64 if interpreting() else 1024
     _sequence_targets_kernel[(sequences,)](
         labels_ptr=labels,
-        cu_seqlens_ptr=cu_seqlens,
+        cu_seqlens_ptr=cu_seqlens.contiguous(),  # read as a dense (S+1,) array
         seq_targets_ptr=None if seq_targets is None else seq_targets.contiguous(),
         seq_weights_ptr=None if seq_weights is None else seq_weights.detach().contiguous(),
         targets_ptr=targets,
