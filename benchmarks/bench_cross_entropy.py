@@ -19,8 +19,8 @@ logits are redrawn from a normal distribution (untimed): in-place kernels
 (``inplace_backward=True``, Liger-Kernel) overwrite them, and random data, unlike zeros, runs at
 the speed real data does. ``harness.py`` says how each call is timed.
 
-packed_ce runs with the defaults a user calls (``validate=True``: one host sync) and, marked,
-with ``validate=False`` (no sync); it gets the aligned labels with ``shift=True`` and
+packed_ce runs with the defaults a user calls (``validate=True``: values checked on the device,
+no host sync) and, marked, with ``validate=False`` (values unchecked); it gets the aligned labels with ``shift=True`` and
 ``cu_seqlens`` and does the shift and the per-sequence weights itself. The peers get the labels
 already shifted (the same target rows) and average per token. cut-cross-entropy has no
 logits-input loss (it fuses the classifier matmul with the loss), so it is measured by
@@ -239,7 +239,7 @@ def headline_variants(device: torch.device) -> list[Variant]:
         ),
         Variant(
             "ours_packed_no_sync",
-            "packed_ce is_packed=True, validate=False (no host sync)",
+            "packed_ce is_packed=True, validate=False (values unchecked)",
             packed_ce_loss(is_packed=True, validate=False),
         ),
         Variant(

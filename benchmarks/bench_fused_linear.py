@@ -18,11 +18,12 @@ p20-p80).
 
 packed_ce gets the labels aligned with the inputs and ``cu_seqlens`` (``shift=True``,
 ``is_packed=True``: a mean per sequence); the peers get the same target rows already shifted and
-average per token. packed_ce runs with the defaults a user calls (``validate=True``: one host
-sync), and, marked, with other options. With its defaults every row goes through the GEMMs, as
-in torch.compile and Liger-Kernel; with ``drop_ignored_rows=True`` (one more wait for the
-device) the rows without a target (each sequence's prompt, 10-30% of it, and its last token)
-skip them, as cut-cross-entropy does; ``validate=False`` is the path with no host sync at all.
+average per token. packed_ce runs with the defaults a user calls (``validate=True``: values
+checked on the device, no host sync), and, marked, with other options. With its defaults every
+row goes through the GEMMs, as in torch.compile and Liger-Kernel; with ``drop_ignored_rows=True``
+(one wait for the device, to count the rows) the rows without a target (each sequence's prompt,
+10-30% of it, and its last token) skip them, as cut-cross-entropy does; ``validate=False``
+leaves the values unchecked.
 Transient memory is the peak during the step minus what was allocated before it (the inputs)
 and minus the gradients of hidden and weight that the step leaves behind.
 cut-cross-entropy is run as installed (``filter_eps="auto"``: it skips gradient blocks whose
@@ -245,7 +246,7 @@ def peer_variants(device: torch.device, compile_dynamic: bool, cce_exact: bool) 
 
 
 OURS = "packed_ce fused (defaults)"
-OURS_NO_SYNC = "packed_ce fused, validate=False (no host sync)"
+OURS_NO_SYNC = "packed_ce fused, validate=False (values unchecked)"
 OURS_DROP = "packed_ce fused, drop_ignored_rows=True (rows without a target skip the GEMMs)"
 
 

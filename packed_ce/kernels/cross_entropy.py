@@ -12,9 +12,11 @@ with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under `
 Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1. Each row is read twice (pass 1 for the logsumexp, pass 2 for the
-  gradient, mostly from memory again at LLM vocabularies) and written once: 3 * N * V element
-  moves, against the floor of 2 (benchmarks/NOTES.md says what was tried to remove the re-read).
+  on the device when it is 1. Where one block spans the row (V <= 32768 on a GPU) the row is
+  read once and held in registers from the logsumexp to the gradient: 2 * N * V element moves,
+  the floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient,
+  mostly from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was
+  tried to remove the re-read).
 - recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
   see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
   hand back an in-place gradient): the forward writes the loss and ``lse``; the backward reads
@@ -69,11 +71,44 @@ def _apply_softcap(raw, softcap):
     return x
 
 
+@triton.jit
+def _load_block(
+    logits_row, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr
+):
+    # x (capped if HAS_SOFTCAP, -inf where masked) and its slope dx/draw (1.0 without softcap)
+    # for the columns ``offs`` of one row, in fp32.
+    raw = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        x, slope = _softcap_and_slope(raw, softcap)
+    else:
+        x, slope = raw, 1.0
+    return tl.where(mask, x, float("-inf")), slope
+
+
+@triton.jit
+def _block_gradient(
+    x, slope, offs, target, lse, p_scale, g, label_smoothing, V,
+    HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    # g * dl/dx_j * dx/draw_j for the columns ``offs`` (x = -inf where masked gives 0 there).
+    d = tl.exp(x - lse) * p_scale
+    if HAS_SMOOTHING:
+        d -= label_smoothing / V
+    # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
+    d = tl.where(offs == target, d - (1.0 - label_smoothing), d)
+    if HAS_SOFTCAP:
+        d *= slope
+    return g * d
+
+
 @triton.heuristics(
     {
         "HAS_SMOOTHING": lambda args: args["label_smoothing"] > 0.0,
         "HAS_Z_LOSS": lambda args: args["z_loss_scale"] > 0.0,
         "HAS_SOFTCAP": lambda args: args["softcap"] > 0.0,
+        # One block spans the row and the loss is computed here: hold the row from the
+        # logsumexp to the gradient instead of reading it twice.
+        "ROW_ON_CHIP": lambda args: args["COMPUTE_LOSS"] and args["BLOCK_V"] >= args["V"],
     }
 )
 @triton.jit
@@ -107,6 +142,7 @@ def _cross_entropy_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    ROW_ON_CHIP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2**31 at LLM shapes
@@ -123,32 +159,45 @@ def _cross_entropy_kernel(
         target = tl.where(bad_target, 0, target)
 
         if COMPUTE_LOSS:
-            # Read before pass 1: its reductions are barriers that every warp passes before any
-            # warp starts pass 2, whose in-place gradient may overwrite the target's logit.
-            x_target = tl.load(logits_row + target).to(tl.float32)
-            if HAS_SOFTCAP:
-                x_target = _apply_softcap(x_target, softcap)
-            # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
-            m = tl.full((), float("-inf"), tl.float32)
-            s = tl.zeros((), tl.float32)
             x_sum = tl.zeros((), tl.float32)
             px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
-            for start in range(0, V, BLOCK_V):
-                mask = start + cols < V
-                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    x = _apply_softcap(x, softcap)
-                x = tl.where(mask, x, float("-inf"))
-                m_new = tl.maximum(m, tl.max(x, 0))
-                e = tl.exp(x - m_new)
-                rescale = tl.exp(m - m_new)
-                s = s * rescale + tl.sum(e, 0)
+            if ROW_ON_CHIP:
+                # Pass 1 over the whole row at once, read N*V. The row stays in registers for
+                # the gradient below, so the logits are read once in all. The target's logit
+                # comes from the registers too: a load at its address would wait for the target
+                # to arrive, and the row's loads behind it (measured: 3% at V=32000).
+                row_mask = cols < V
+                x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
+                x_target = tl.sum(tl.where(cols == target, x_row, 0.0), 0)
+                m = tl.max(x_row, 0)
+                e = tl.exp(x_row - m)
+                s = tl.sum(e, 0)
                 if COMPUTE_STATS:
                     # e == 0 where x == -inf (masked columns, masked vocabulary): 0, not 0 * inf
-                    px_sum = px_sum * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), 0)
-                m = m_new
+                    px_sum = tl.sum(e * tl.where(e > 0.0, x_row, 0.0), 0)
                 if HAS_SMOOTHING:
-                    x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
+                    x_sum = tl.sum(tl.where(row_mask, x_row, 0.0), 0)
+            else:
+                # Read before pass 1: its reductions are barriers that every warp passes before
+                # any warp starts pass 2, whose in-place gradient may overwrite this logit.
+                x_target = tl.load(logits_row + target).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x_target = _apply_softcap(x_target, softcap)
+                # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
+                m = tl.full((), float("-inf"), tl.float32)
+                s = tl.zeros((), tl.float32)
+                for start in range(0, V, BLOCK_V):
+                    mask = start + cols < V
+                    x, _ = _load_block(logits_row, start + cols, mask, softcap, HAS_SOFTCAP)
+                    m_new = tl.maximum(m, tl.max(x, 0))
+                    e = tl.exp(x - m_new)
+                    rescale = tl.exp(m - m_new)
+                    s = s * rescale + tl.sum(e, 0)
+                    if COMPUTE_STATS:
+                        px_sum = px_sum * rescale + tl.sum(e * tl.where(e > 0.0, x, 0.0), 0)
+                    m = m_new
+                    if HAS_SMOOTHING:
+                        x_sum += tl.sum(tl.where(mask, x, 0.0), 0)
             lse = m + tl.log(s)
             loss = lse - x_target
             if HAS_SMOOTHING:
@@ -176,25 +225,26 @@ def _cross_entropy_kernel(
             p_scale = 1.0
             if HAS_Z_LOSS:
                 p_scale = 1.0 + 2.0 * z_loss_scale * lse  # d(z lse^2)/dx_j = 2 z lse p_j
-            # Pass 2, read N*V (mostly from L2 right after pass 1) and write N*V. Each element
-            # is read before it is written by the same thread, so grad_ptr may alias logits.
-            for start in range(0, V, BLOCK_V):
-                mask = start + cols < V
-                x = tl.load(logits_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    x, slope = _softcap_and_slope(x, softcap)
-                d = tl.exp(x - lse) * p_scale
-                if HAS_SMOOTHING:
-                    d -= label_smoothing / V
-                # p_y - (1 - eps) is formed in fp32, so p_y near 1 does not cancel in bf16.
-                d = tl.where(start + cols == target, d - (1.0 - label_smoothing), d)
-                if HAS_SOFTCAP:
-                    d *= slope
-                tl.store(
-                    grad_row + start + cols,
-                    (g * d).to(grad_ptr.dtype.element_ty),
-                    mask=mask,
+            if ROW_ON_CHIP:
+                # Write N*V from the row held since pass 1. Every store waits for lse, i.e. for
+                # the reductions over all of the row's loads: grad_ptr may alias logits.
+                d = _block_gradient(
+                    x_row, slope_row, cols, target, lse, p_scale, g, label_smoothing, V,
+                    HAS_SMOOTHING, HAS_SOFTCAP,
                 )
+                tl.store(grad_row + cols, d.to(grad_ptr.dtype.element_ty), mask=row_mask)
+            else:
+                # Pass 2, read N*V again (partly from L2 right after pass 1) and write N*V.
+                # Each element is read before it is written by the same thread, so grad_ptr may
+                # alias logits.
+                for start in range(0, V, BLOCK_V):
+                    mask = start + cols < V
+                    x, slope = _load_block(logits_row, start + cols, mask, softcap, HAS_SOFTCAP)
+                    d = _block_gradient(
+                        x, slope, start + cols, target, lse, p_scale, g, label_smoothing, V,
+                        HAS_SMOOTHING, HAS_SOFTCAP,
+                    )
+                    tl.store(grad_row + start + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
     else:
         # Not a target: no loss, a zero gradient, and the logits are never read.
         if COMPUTE_LOSS:
@@ -247,9 +297,16 @@ def _launch_config(vocab_size: int) -> tuple[int, int]:
         # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
         # the multi-block loop and its masked tail run at test-sized vocabularies.
         return min(triton.next_power_of_2(vocab_size), 1024), 1
-    # Measured on an H200 at V=128256 (benchmarks/NOTES.md): 4096 columns over 8 warps beat
-    # larger blocks, persistent grids and L2 eviction hints.
-    return min(triton.next_power_of_2(vocab_size), 4096), 8
+    block = triton.next_power_of_2(vocab_size)
+    if block <= 32768:
+        # The whole row in one block, held in registers from the logsumexp to the gradient (one
+        # read of the logits), 32 fp32 columns per thread: measured on an H100 at V=16000 and
+        # 32000 (benchmarks/NOTES.md, v5), fewer warps spill and more wait longer per row.
+        return block, max(8, block // 1024)
+    # A longer row does not fit: two passes over 4096-column blocks, 8 warps. Measured on an
+    # H200 at V=128256 and an H100 at V=50304 to 262144: faster than larger blocks, the row
+    # held in registers of 16 or 32 warps, persistent and software-pipelined grids, and L2 hints.
+    return 4096, 8
 
 
 def launch_forward(
