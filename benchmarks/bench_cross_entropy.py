@@ -297,14 +297,14 @@ def forced_launch_config(block: int, warps: int):
     """packed_ce's kernel launches with ``(BLOCK_V, num_warps)`` while inside (a private
     function of the kernel module, replaced in this process only); restored on exit."""
     original = ce_kernels._launch_config
-    ce_kernels._launch_config = lambda vocab_size: (block, warps)
+    ce_kernels._launch_config = lambda vocab_size, device: (block, warps)
     try:
         yield
     finally:
         ce_kernels._launch_config = original
 
 
-def config_variants(vocab: int, grid) -> list[Variant]:
+def config_variants(vocab: int, device: torch.device, grid) -> list[Variant]:
     """packed_ce is_packed=True, validate=False under each (BLOCK_V, num_warps) of ``grid``,
     and once as it launches now (the same numbers as its twin in the grid)."""
     loss = packed_ce_loss(is_packed=True, validate=False)
@@ -317,7 +317,7 @@ def config_variants(vocab: int, grid) -> list[Variant]:
         )
         for block, warps in grid
     ]
-    block, warps = ce_kernels._launch_config(vocab)
+    block, warps = ce_kernels._launch_config(vocab, device)
     return forced + [
         Variant("current", f"as launched now: BLOCK_V={block}, num_warps={warps}", loss)
     ]
@@ -502,7 +502,7 @@ def run_configs(plan: Plan, device: torch.device, copy_gbps: float, grid) -> dic
     problem = make_problem(n, vocab, dtype, device)
     rows = measure(
         problem,
-        config_variants(vocab, grid),
+        config_variants(vocab, device, grid),
         reps=plan.headline_reps,
         warmup=plan.warmup,
         device=device,

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import packed_ce
+import packed_ce.kernels.cross_entropy as ce_kernels
 from packed_ce.options import ChunkOptions, LossOptions
 from packed_ce.targets import count_normaliser, prepare_targets
 
@@ -815,6 +816,43 @@ def test_gpu_dtypes_against_fp32_reference(dtype, loss_rtol, grad_tol, vocab, re
 
 for _mark in cuda_only:
     test_gpu_dtypes_against_fp32_reference = _mark(test_gpu_dtypes_against_fp32_reference)
+
+
+@pytest.mark.parametrize(
+    "vocab,config",
+    [(8000, None), (16000, None), (32000, (32768, 32)), (32000, (4096, 8))],
+    ids=["8000-as-launched", "16000-as-launched", "32000-row-on-chip", "32000-two-passes"],
+)
+@pytest.mark.parametrize("options", [OPTION_SETS["plain"], OPTION_SETS["all"]], ids=["plain", "all"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad-buffer", "in-place"])
+def test_gpu_both_kernel_routes_against_fp32_reference(monkeypatch, vocab, config, options, inplace):
+    """The row held in registers (one read) and the two-pass loop, whichever this GPU launches
+    by default, forced both ways at V=32000: loss, gradient and token stats in bf16."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if config is not None:
+        monkeypatch.setattr(ce_kernels, "_launch_config", lambda vocab_size, device: config)
+    gen = torch.Generator().manual_seed(seed_for_test())
+    packing = random_packing(gen, vocab, rows=2, row_len=1024, max_len=300, device="cuda")
+    logits = (torch.randn(2, 1024, vocab, generator=gen) * 3).to("cuda", torch.bfloat16)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, return_token_stats=True, **options)
+
+    def run(backend, x, **extra):
+        x = x.detach().clone().requires_grad_()
+        loss, stats = packed_ce.cross_entropy(x, packing.labels, backend=backend, **kwargs, **extra)
+        (grad,) = torch.autograd.grad(loss, x)
+        return loss.detach(), grad, stats
+
+    loss, grad, stats = run("triton", logits, inplace_backward=inplace)
+    ref_loss, ref_grad, ref_stats = run("torch", logits.float())
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grad.dtype == torch.bfloat16 and relative_error(grad, ref_grad) < 8e-3
+    torch.testing.assert_close(stats.entropy_sum, ref_stats.entropy_sum, rtol=1e-4, atol=1e-3)
+    assert torch.equal(stats.correct, ref_stats.correct) and torch.equal(stats.targets, ref_stats.targets)
+
+
+for _mark in cuda_only:
+    test_gpu_both_kernel_routes_against_fp32_reference = _mark(test_gpu_both_kernel_routes_against_fp32_reference)
 
 
 @pytest.mark.cuda

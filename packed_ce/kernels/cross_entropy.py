@@ -27,6 +27,8 @@ Dimensions: N rows (tokens), V vocabulary.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -116,7 +118,7 @@ def _cross_entropy_kernel(
     # data ptrs
     logits_ptr,  # (N, V) fp32/bf16/fp16, unit column stride
     grad_ptr,  # (N, V) logits' dtype, written if COMPUTE_GRAD; may be logits_ptr (in place)
-    targets_ptr,  # (N,) int64 target class; read only where coef != 0
+    targets_ptr,  # (N,) int64 target class; used only where coef != 0
     coef_ptr,  # (N,) fp32 weight of the row in the reduced loss, 0 = no target
     grad_out_ptr,  # (N,) fp32 upstream gradient per row, if HAS_GRAD_OUT
     loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
@@ -149,10 +151,12 @@ def _cross_entropy_kernel(
     logits_row = logits_ptr + row * stride_logits_n
     grad_row = grad_ptr + row * stride_grad_n
     cols = tl.arange(0, BLOCK_V)
+    # Both loads are issued before the branch waits for coef: one memory latency per row before
+    # its logits are requested, not two.
     coef = tl.load(coef_ptr + row)
+    target = tl.load(targets_ptr + row)
 
     if coef != 0.0:
-        target = tl.load(targets_ptr + row)
         # Labels are range-checked on the host unless tracing; here an out-of-range label
         # must not read out of bounds and must not pass silently: its loss and gradient are NaN.
         bad_target = (target < 0) | (target >= V)
@@ -163,12 +167,15 @@ def _cross_entropy_kernel(
             px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
             if ROW_ON_CHIP:
                 # Pass 1 over the whole row at once, read N*V. The row stays in registers for
-                # the gradient below, so the logits are read once in all. The target's logit
-                # comes from the registers too: a load at its address would wait for the target
-                # to arrive, and the row's loads behind it (measured: 3% at V=32000).
+                # the gradient below, so the logits are read once in all. The row's loads are
+                # issued first, the target's logit (whose address waits for the target) behind
+                # them; both land before the reductions' barriers, so before any warp writes
+                # the gradient, which may overwrite the logits in place.
                 row_mask = cols < V
                 x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
-                x_target = tl.sum(tl.where(cols == target, x_row, 0.0), 0)
+                x_target = tl.load(logits_row + target).to(tl.float32)
+                if HAS_SOFTCAP:
+                    x_target = _apply_softcap(x_target, softcap)
                 m = tl.max(x_row, 0)
                 e = tl.exp(x_row - m)
                 s = tl.sum(e, 0)
@@ -291,21 +298,48 @@ def _scale_rows_kernel(
                 )
 
 
-def _launch_config(vocab_size: int) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits."""
+# Bytes per second of memory bandwidth per SM below which a row of up to 32768 columns is held
+# in the registers of one program (one per SM) rather than read twice by programs that share
+# an SM eight at a time. Holding the row saves a third of the bytes but leaves one program per
+# SM, whose loads, reductions and stores no longer overlap with another row's: measured at
+# V=32000 (benchmarks/NOTES.md, v5), it gains 16% on an H100 (25 GB/s per SM) and loses 9% on
+# an H200 (37 GB/s per SM). Two parts measured: the line lies between them.
+ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM = 30e9
+
+
+@functools.cache
+def _bandwidth_per_sm(device_index: int) -> float:
+    """Peak memory bandwidth per SM of a CUDA device, in bytes/s (inf where PyTorch does not
+    report the memory clock and bus width, which keeps two passes: the choice that holds on
+    every part measured)."""
+    props = torch.cuda.get_device_properties(device_index)
+    clock_khz = getattr(props, "memory_clock_rate", 0)
+    bus_bits = getattr(props, "memory_bus_width", 0)
+    if not clock_khz or not bus_bits:
+        return float("inf")
+    # double data rate: two transfers per clock
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / props.multi_processor_count
+
+
+def _launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits on ``device``; the kernel holds
+    the row on chip where BLOCK_V >= vocab_size."""
     if interpreting():
         # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
         # the multi-block loop and its masked tail run at test-sized vocabularies.
         return min(triton.next_power_of_2(vocab_size), 1024), 1
     block = triton.next_power_of_2(vocab_size)
-    if block <= 32768:
-        # The whole row in one block, held in registers from the logsumexp to the gradient (one
-        # read of the logits), 32 fp32 columns per thread: measured on an H100 at V=16000 and
-        # 32000 (benchmarks/NOTES.md, v5), fewer warps spill and more wait longer per row.
-        return block, max(8, block // 1024)
-    # A longer row does not fit: two passes over 4096-column blocks, 8 warps. Measured on an
-    # H200 at V=128256 and an H100 at V=50304 to 262144: faster than larger blocks, the row
-    # held in registers of 16 or 32 warps, persistent and software-pipelined grids, and L2 hints.
+    # One block per row: measured on an H100 and an H200 at V=8000 and 16000 (benchmarks/
+    # NOTES.md, v5), as fast or faster than two passes; 16 warps hold 32768 columns at most.
+    if block <= 4096:
+        return block, 8
+    if block <= 16384:
+        return block, 16
+    if block <= 32768 and _bandwidth_per_sm(device.index) < ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM:
+        return block, 32
+    # Two passes over 4096-column blocks, 8 warps: measured on an H200 at V=128256 and an H100
+    # at V=32000 to 262144 faster than larger blocks, rows held in the registers of 16 or 32
+    # warps, persistent and software-pipelined grids, and L2 hints.
     return 4096, 8
 
 
@@ -340,7 +374,7 @@ def launch_forward(
     )
     if n == 0:
         return loss, z_rows, lse
-    block, num_warps = _launch_config(vocab)
+    block, num_warps = _launch_config(vocab, logits.device)
     _cross_entropy_kernel[(n,)](
         logits_ptr=logits,
         grad_ptr=grad if grad is not None else logits,
@@ -391,7 +425,7 @@ def launch_backward(
     n, vocab = logits.shape
     if n == 0:
         return grad
-    block, num_warps = _launch_config(vocab)
+    block, num_warps = _launch_config(vocab, logits.device)
     _cross_entropy_kernel[(n,)](
         logits_ptr=logits,
         grad_ptr=grad,
@@ -425,7 +459,7 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
     n, vocab = grad.shape
     if n == 0:
         return
-    block, num_warps = _launch_config(vocab)
+    block, num_warps = _launch_config(vocab, grad.device)
     if grad.is_cuda:
         programs = 4 * torch.cuda.get_device_properties(grad.device).multi_processor_count
     else:
