@@ -440,14 +440,15 @@ def training_report(result: dict) -> str:
         f"{data['row_tokens']} tokens padded to a multiple of {data['pad_to_multiple']}; padded: "
         f"micro-batches of {data['padded_batch']} conversations, "
         f"{data['padded_tokens_per_step']:.0f} tokens with padding. {result['warmup_steps']} "
-        "warm-up steps per run, reported apart; steady state: median (p20-p80) of the other "
-        "steps; tokens/s counts real tokens only; slow steps: steady steps over twice the "
-        "median (recompiles); peak: allocated GPU memory over the run, weights, gradients and "
-        "optimiser state included.",
+        "warm-up steps per run (1 for the exact-length run), reported apart; steady state: "
+        "median (p20-p80) of the other steps; tokens/s counts real tokens only; compiles: graphs "
+        "torch.compile compiled in each warm-up step, then in all steady steps together "
+        "(recompiles); slow steps: steady steps over twice the median; peak: allocated GPU "
+        "memory over the run, weights, gradients and optimiser state included.",
         "",
-        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded | slow steps "
-        "| peak GiB | first-step loss |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded "
+        "| compiles warm-up; steady | slow steps | peak GiB | first-step loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
         speed = "-"
@@ -456,9 +457,11 @@ def training_report(result: dict) -> str:
         tokens = f"{run['tokens_per_second']:,.0f}" if run.get("tokens_per_second") else "-"
         peak = f"{run['peak_gib']:.1f}" if "peak_gib" in run else "-"
         warmup = ", ".join(f"{s:.2f}" for s in run["warmup_seconds"]) or "-"
+        compiles = f"{', '.join(map(str, run['warmup_compiles'])) or '-'}; {run['recompiles']}"
+        loss = f"{run['losses'][0]:.4f}" if run["losses"] else "-"
         lines.append(
             f"| {run['label']} | {run['attention']} | {warmup} | {_seconds(run)} | {tokens} "
-            f"| {speed} | {run.get('slow_steps', '-')} | {peak} | {run['losses'][0]:.4f} |"
+            f"| {speed} | {compiles} | {run.get('slow_steps', '-')} | {peak} | {loss} |"
         )
     lines += [
         "",
@@ -476,12 +479,31 @@ def training_report(result: dict) -> str:
         f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
         f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
     ]
+    exact = runs.get("packed_exact_length")
+    if exact:
+        steps = ", ".join(
+            f"{tokens} tokens {seconds:.2f} s ({graphs} compiled)"
+            for tokens, seconds, graphs in zip(
+                exact["row_lengths"],
+                exact["warmup_seconds"] + exact["step_seconds"],
+                exact["warmup_compiles"] + exact["step_compiles"],
+            )
+        )
+        lines.append(f"- rows at their exact length, step by step: {steps}")
     for run, reason in result.get("skipped_runs", {}).items():
         lines.append(f"- {run}: {reason}")
+    for name, run in runs.items():
+        if run.get("steps_not_run"):
+            lines.append(f"- {name}: {run['steps_not_run']} steps not run (time budget)")
     if "speedup_packed_over_padded" in result:
         lines.append(
             f"- packing at the same objective: {result['speedup_packed_over_padded']:.2f}x the "
             "padded steady-state step rate"
+        )
+    if "speedup_packed_over_stock" in result:
+        lines.append(
+            f"- packed_ce's per-conversation mean: {result['speedup_packed_over_stock']:.2f}x "
+            "the steady-state step rate of the stock padding-free token mean (another objective)"
         )
     return "\n".join(lines)
 
