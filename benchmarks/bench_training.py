@@ -14,7 +14,9 @@ to 8192 tokens:
 - ``padded``: the same conversations one per row (``collators.PaddedCollator``), micro-batches of
   ``--padded-batch`` conversations in the step's (shuffled) order, sdpa with the padding mask,
   and the same objective written in plain PyTorch (each row's mean token loss, summed, divided
-  by the step's number of conversations), gradients accumulated over the micro-batches.
+  by the step's number of conversations), gradients accumulated over the micro-batches. Before
+  its timed steps every micro-batch goes forward and backward once, untimed by step (see
+  ``see_every_shape``): every run is then timed on shapes it has seen, as in a long run.
 - ``stock``: the packed rows of ``packed`` and transformers' own loss (``model(...,
   labels=...)``): the token mean that padding-free training gives without packed_ce. Another
   objective: it is here for its speed.
@@ -377,6 +379,40 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def see_every_shape(model, steps: list[Step], device: torch.device, clock: Clock) -> dict:
+    """Forward and backward of every padded micro-batch once, untimed by step, the gradients
+    dropped and no optimiser step (the weights do not change).
+
+    Each micro-batch of the padded run has a shape of its own (rows of its longest
+    conversation), and the first step with new shapes took seconds where the same step with
+    seen shapes took a few tenths (first H100 run: 0.34 to 1.95 s per step, no torch.compile
+    involved): a per-shape set-up in the attention or GEMM libraries. A long run meets its
+    shapes again, so the timed steps run on shapes seen here; what a first sight costs is
+    reported apart.
+    """
+    seconds = []
+    for step in steps:
+        for batch in step.padded:
+            harness.synchronize(device)
+            start = time.perf_counter()
+            padded_row_means(model, batch).sum().backward()
+            harness.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    shapes = {tuple(b["input_ids"].shape) for step in steps for b in step.padded}
+    clock.log(
+        f"padded: {len(seconds)} micro-batches of {len(shapes)} shapes seen once, "
+        f"{sum(seconds):.1f} s (median {statistics.median(seconds):.3f} s, "
+        f"max {max(seconds):.3f} s per micro-batch)"
+    )
+    return {
+        "micro_batches": len(seconds),
+        "shapes": len(shapes),
+        "seconds": seconds,
+        "median_seconds": statistics.median(seconds),
+    }
+
+
 def run_training(
     run: str,
     model,
@@ -397,6 +433,7 @@ def run_training(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    first_sight = see_every_shape(model, steps, device, clock) if run == "padded" else None
     seconds, compiles, losses = [], [], []
     for index, step in enumerate(steps):
         if clock.past_deadline():
@@ -434,8 +471,13 @@ def run_training(
         "recompiles": sum(compiles[warmup:]),
         "steps_not_run": len(steps) - len(seconds),
         "losses": losses,
-        "tokens_per_second": sum(tokens) / sum(steady) if steady else None,
+        # per step, then the median: one slow step moves it no more than the median step time
+        "tokens_per_second": (
+            statistics.median(t / s for t, s in zip(tokens, steady)) if steady else None
+        ),
     }
+    if first_sight is not None:
+        result["shapes_seen_before"] = first_sight
     if run == "packed_exact_length":
         result["row_lengths"] = [
             step.packed_exact["input_ids"].shape[1] for step in steps[: len(seconds)]

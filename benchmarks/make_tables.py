@@ -441,7 +441,8 @@ def training_report(result: dict) -> str:
         f"micro-batches of {data['padded_batch']} conversations, "
         f"{data['padded_tokens_per_step']:.0f} tokens with padding. {result['warmup_steps']} "
         "warm-up steps per run (1 for the exact-length run), reported apart; steady state: "
-        "median (p20-p80) of the other steps; tokens/s counts real tokens only; compiles: graphs "
+        "median (p20-p80) of the other steps; tokens/s: real tokens only, the median over the "
+        "steady steps; compiles: graphs "
         "torch.compile compiled in each warm-up step, then in all steady steps together "
         "(recompiles); slow steps: steady steps over twice the median; peak: allocated GPU "
         "memory over the run, weights, gradients and optimiser state included.",
@@ -479,6 +480,16 @@ def training_report(result: dict) -> str:
         f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
         f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
     ]
+    first_sight = runs.get("padded", {}).get("shapes_seen_before")
+    if first_sight:
+        seconds = first_sight["seconds"]
+        lines.append(
+            f"- padded: before its timed steps, every micro-batch once (forward and backward, "
+            f"no optimiser step): {first_sight['micro_batches']} micro-batches of "
+            f"{first_sight['shapes']} shapes, {sum(seconds):.1f} s, at first sight "
+            f"{first_sight['median_seconds']:.3f} s per micro-batch (median), "
+            f"{max(seconds):.2f} s at most"
+        )
     exact = runs.get("packed_exact_length")
     if exact:
         steps = ", ".join(
