@@ -48,8 +48,9 @@ padding), the graphs torch.compile compiled in each step (flex attention and its
 a compile after the warm-up is a recompile), the steps slower than twice the median, and the
 peak of allocated GPU memory over the run (weights, gradients and optimiser state included).
 Before the runs, with the initial weights, every conversation's mean loss from the packed row
-is compared with the one from its padded row (max relative difference printed and asserted),
-and the first training step's loss of ``packed`` with that of ``padded``. A progress line per
+is compared with the one from its padded row, every step's loss likewise (max relative
+differences printed and asserted), and after them the first training step's loss of
+``packed`` with that of ``padded``. A progress line per
 phase and per step is printed (flushed) as the run goes, with the seconds since the start, so
 that a run stopped from outside still shows where it was; no run and no step starts after
 ``Plan.seconds``, and what was left out is said in the results.
@@ -490,48 +491,53 @@ def run_training(
     return result
 
 
-def check_objective(model, initial: dict, step: Step, attention: str) -> dict:
-    """With the initial weights, untimed: each conversation's mean loss from the packed row
-    against the one from its padded row, and the step's loss both ways.
+def check_objective(model, initial: dict, steps: list[Step], attention: str) -> dict:
+    """With the initial weights, untimed, on every step: each conversation's mean loss from the
+    packed row against the one from its padded row, and each step's loss both ways.
 
     The packed forwards run with gradients enabled, as in training, though nothing calls
     backward: transformers' compiled flex attention is specialised on the grad mode, so a check
     under ``no_grad`` would compile it a second time (tens of seconds on the GPU)."""
     model.load_state_dict(initial)
     model.set_attn_implementation(attention)
-    batch = step.packed
-    # reduction="none": w_t * l_t per token, w_t = 1 / (targets of its conversation), so a
-    # conversation's sum is its mean token loss
-    weighted = packed_loss(model, batch, reduction="none").detach().reshape(-1).float()
-    lengths = batch["cu_seqlens"].diff().long()
-    sequence = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=lengths.device), lengths
-    )
-    packed_means = torch.zeros(lengths.numel(), device=weighted.device).index_add_(
-        0, sequence, weighted
-    )
-    packed_means = packed_means[: len(step.conversations)]  # the padding segment, if any, last
-    packed_mean_loss = packed_loss(model, batch).detach().float()
-    stock = stock_loss(model, batch).detach().float()
+    packed_means, packed_losses, stock_losses = [], [], []
+    for step in steps:
+        batch = step.packed
+        # reduction="none": w_t * l_t per token, w_t = 1 / (targets of its conversation), so a
+        # conversation's sum is its mean token loss
+        weighted = packed_loss(model, batch, reduction="none").detach().reshape(-1).float()
+        lengths = batch["cu_seqlens"].diff().long()
+        sequence = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device), lengths
+        )
+        means = torch.zeros(lengths.numel(), device=weighted.device).index_add_(
+            0, sequence, weighted
+        )
+        packed_means.append(means[: len(step.conversations)])  # the padding segment is last
+        packed_losses.append(packed_loss(model, batch).detach().float())
+        stock_losses.append(stock_loss(model, batch).detach().float())
     model.set_attn_implementation("sdpa")
+    padded_means = []
     with torch.no_grad():  # sdpa: nothing compiled
-        padded = torch.cat([padded_row_means(model, b).float() for b in step.padded])
-    padded_means = torch.empty_like(padded).index_copy_(
-        0, torch.tensor(step.padded_order, device=padded.device), padded
-    )
-    per_conversation = ((packed_means - padded_means).abs() / padded_means.abs()).max().item()
-    padded_loss = padded_means.mean()
+        for step in steps:
+            rows = torch.cat([padded_row_means(model, b).float() for b in step.padded])
+            order = torch.tensor(step.padded_order, device=rows.device)
+            padded_means.append(torch.empty_like(rows).index_copy_(0, order, rows))
+    packed, padded = torch.cat(packed_means), torch.cat(padded_means)
+    padded_steps = torch.stack([means.mean() for means in padded_means])  # (steps,)
     return {
-        "conversations": len(step.conversations),
-        "packed_conversation_losses": packed_means.tolist(),
-        "padded_conversation_losses": padded_means.tolist(),
-        "max_rel_diff_per_conversation": per_conversation,
-        "rel_diff_loss": ((packed_mean_loss - padded_loss).abs() / padded_loss).item(),
-        "rel_diff_stock_token_mean": ((stock - padded_loss).abs() / padded_loss).item(),
+        "steps": len(steps),
+        "conversations": padded.numel(),
+        "packed_conversation_losses": packed.tolist(),
+        "padded_conversation_losses": padded.tolist(),
+        "max_rel_diff_per_conversation": relative(packed, padded).max().item(),
+        "rel_diff_loss": relative(torch.stack(packed_losses), padded_steps).max().item(),
+        "rel_diff_stock_token_mean": relative(torch.stack(stock_losses), padded_steps).max().item(),
     }
 
 
-def relative(a: float, b: float) -> float:
+def relative(a, b):
+    """``|a - b| / |b|``, of floats or elementwise of tensors."""
     return abs(a - b) / abs(b)
 
 
@@ -616,10 +622,11 @@ def main() -> int:
 
     compiling = attention == "flex_attention"
     clock.log(f"objective check{' (flex attention compiles here)' if compiling else ''} ...")
-    check = check_objective(model, initial, steps[0], attention)
+    check = check_objective(model, initial, steps, attention)
     clock.log(
-        f"objective check: per-conversation max relative difference "
-        f"{check['max_rel_diff_per_conversation']:.1e}, step loss {check['rel_diff_loss']:.1e}"
+        f"objective check, {check['conversations']} conversations of {check['steps']} steps: "
+        f"max relative difference per conversation {check['max_rel_diff_per_conversation']:.1e}, "
+        f"per step {check['rel_diff_loss']:.1e}"
     )
     tolerance = 1e-4 if plan.dtype == torch.float32 else 2e-2  # bf16: 8 significant bits
     runs = {}

@@ -55,6 +55,11 @@ def test_tiny_run_writes_every_run_and_the_same_objective(tmp_path):
     assert check["max_rel_diff_per_conversation"] < 1e-5
     assert check["rel_diff_first_step_loss"] < 1e-5
     assert result["speedup_packed_over_padded"] > 0 and result["speedup_packed_over_stock"] > 0
+    # every conversation of every step is checked
+    assert check["steps"] == result["warmup_steps"] + len(result["runs"]["packed"]["step_seconds"])
+    assert check["conversations"] == round(
+        result["data"]["conversations_per_step"] * check["steps"]
+    )
     assert len(check["packed_conversation_losses"]) == check["conversations"]
     table = (tmp_path / "training_cpu.md").read_text()
     assert "| packed rows, document-masked attention, packed_ce" in table and "passed" in table
@@ -126,7 +131,7 @@ def test_no_step_starts_past_the_deadline(bench_training):
 
 def test_objective_check_fails_on_the_token_mean(bench_training, monkeypatch):
     _, step, model, initial = tiny_setup(bench_training)
-    check = bench_training.check_objective(model, initial, step, "sdpa")
+    check = bench_training.check_objective(model, initial, [step], "sdpa")
     assert check["max_rel_diff_per_conversation"] < 1e-5 and check["rel_diff_loss"] < 1e-5
     # the same check with an unweighted packed loss: every conversation's "mean" becomes its
     # sum of token losses, far from its padded mean
@@ -140,7 +145,7 @@ def test_objective_check_fails_on_the_token_mean(bench_training, monkeypatch):
         return real(*args, **options)
 
     monkeypatch.setattr(packed_ce, "fused_linear_cross_entropy", token_sum)
-    wrong = bench_training.check_objective(model, initial, step, "sdpa")
+    wrong = bench_training.check_objective(model, initial, [step], "sdpa")
     assert wrong["max_rel_diff_per_conversation"] > 0.5
 
 
