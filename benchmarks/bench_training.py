@@ -24,7 +24,8 @@ to 8192 tokens:
   one warm-up and 4 steps only, made last: with flex attention a new row length compiles again
   (tens of seconds), and torch.compile's automatic dynamic shapes (the default of the
   ``torch.compile(flex_attention)`` that transformers makes) may then compile a version for any
-  length; the compiles counted per step show which happened.
+  length; the compiles counted per step show which happened (torch 2.11: one recompile at the
+  first new length, none after it, and slower steps).
 
 Data (``make_conversations``): synthetic multi-turn chat. Per conversation a system prompt with
 probability 1/2 (lognormal length, median 40 tokens), then 1 + Geometric(0.45) user/assistant
@@ -50,10 +51,10 @@ peak of allocated GPU memory over the run (weights, gradients and optimiser stat
 Before the runs, with the initial weights, every conversation's mean loss from the packed row
 is compared with the one from its padded row, every step's loss likewise (max relative
 differences printed and asserted), and after them the first training step's loss of
-``packed`` with that of ``padded``. A progress line per
-phase and per step is printed (flushed) as the run goes, with the seconds since the start, so
-that a run stopped from outside still shows where it was; no run and no step starts after
-``Plan.seconds``, and what was left out is said in the results.
+``packed`` with that of ``padded``. A progress line per phase and per step is printed
+(flushed) as the run goes, with the seconds since the start, so that a run stopped from
+outside still shows where it was; no run and no step starts after ``Plan.seconds``, and what
+was left out is said in the results.
 
 On a GPU machine, from the repository root (sized to end within 3 minutes on an H100: a
 few seconds of model set-up, about a minute of compilation, 13 steps per run)::
