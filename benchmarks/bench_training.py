@@ -2,7 +2,8 @@
 
 Each step is forward, loss, backward and an AdamW step of a ~0.9B-parameter Llama-style model
 (random init from a ``LlamaConfig``, bf16 weights and optimiser state), on the same
-conversations for every run, from the same initial weights:
+conversations for every run, from the same initial weights; every step is one packed row of up
+to 8192 tokens:
 
 - ``packed``: the step's conversations in one packed row (``collators.PackedCollator``),
   document-masked attention (``--attention``: flex attention by default on CUDA, or sdpa; either
@@ -13,13 +14,18 @@ conversations for every run, from the same initial weights:
 - ``padded``: the same conversations one per row (``collators.PaddedCollator``), micro-batches of
   ``--padded-batch`` conversations in the step's (shuffled) order, sdpa with the padding mask,
   and the same objective written in plain PyTorch (each row's mean token loss, summed, divided
-  by the step's number of conversations), gradients accumulated over the micro-batches.
+  by the step's number of conversations), gradients accumulated over the micro-batches. Before
+  its timed steps every micro-batch goes forward and backward once, untimed by step (see
+  ``see_every_shape``): every run is then timed on shapes it has seen, as in a long run.
 - ``stock``: the packed rows of ``packed`` and transformers' own loss (``model(...,
   labels=...)``): the token mean that padding-free training gives without packed_ce. Another
   objective: it is here for its speed.
 - ``packed_exact_length``: ``packed`` with rows of their exact length instead of a fixed one,
-  one warm-up and 3 steps only: with flex attention a new row length compiles again (seconds
-  a step).
+  one warm-up and 4 steps only, made last: with flex attention a new row length compiles again
+  (tens of seconds), and torch.compile's automatic dynamic shapes (the default of the
+  ``torch.compile(flex_attention)`` that transformers makes) may then compile a version for any
+  length; the compiles counted per step show which happened (torch 2.11: one recompile at the
+  first new length, none after it, and slower steps).
 
 Data (``make_conversations``): synthetic multi-turn chat. Per conversation a system prompt with
 probability 1/2 (lognormal length, median 40 tokens), then 1 + Geometric(0.45) user/assistant
@@ -34,18 +40,24 @@ Steps: the conversations are packed best-fit-decreasing into rows of ``--row-tok
 each step is one row, in shuffled order, and every run trains on the same steps. Each packed
 row is padded to a multiple of ``--pad-to-multiple`` (default: the row size, so every step has
 the same shape and a compiled attention kernel never meets a new length); ``PackedCollator(
-pad_to_multiple_of=...)`` is how a user does the same.
+pad_to_multiple_of=...)`` is how a user does the same. The padding is a segment of its own
+with no target: the loss does not change.
 
 Reported per run: warm-up steps one by one (compilation, autotuning, allocator growth), then
 the steady state: median step time and its p20-p80, tokens/s counting real tokens only (no
-padding), the steps slower than twice the median (recompiles after warm-up), and the peak of
-allocated GPU memory over the run (weights, gradients and optimiser state included). Before
-the runs, with the initial weights, every conversation's mean loss from the packed row is
-compared with the one from its padded row (max relative difference printed and asserted), and
-the first training step's loss of ``packed`` with that of ``padded``.
+padding), the graphs torch.compile compiled in each step (flex attention and its block mask:
+a compile after the warm-up is a recompile), the steps slower than twice the median, and the
+peak of allocated GPU memory over the run (weights, gradients and optimiser state included).
+Before the runs, with the initial weights, every conversation's mean loss from the packed row
+is compared with the one from its padded row, every step's loss likewise (max relative
+differences printed and asserted), and after them the first training step's loss of
+``packed`` with that of ``padded``. A progress line per phase and per step is printed
+(flushed) as the run goes, with the seconds since the start, so that a run stopped from
+outside still shows where it was; no run and no step starts after ``Plan.seconds``, and what
+was left out is said in the results.
 
-On a GPU machine, from the repository root (sized to end within 4 minutes on an H100: a
-few seconds of model set-up, the compilations, 13 steps per run)::
+On a GPU machine, from the repository root (sized to end within 3 minutes on an H100: a
+few seconds of model set-up, about a minute of compilation, 13 steps per run)::
 
     PYTHONPATH=. python benchmarks/bench_training.py
     PYTHONPATH=. python benchmarks/bench_training.py --tiny      # CPU, tiny model, seconds
@@ -105,7 +117,7 @@ class Plan:
     steps: int
     exact_steps: int  # steady steps of the packed_exact_length run, after one warm-up step
     padded_batch: int
-    seconds: float  # a run not started this long after the start is skipped (and said so)
+    seconds: float  # no run or step starts this long after the start (the results say so)
 
 
 GPU_PLAN = Plan(
@@ -117,17 +129,18 @@ GPU_PLAN = Plan(
         num_attention_heads=16,
         num_key_value_heads=8,
         vocab_size=32000,
-        max_position_embeddings=16384,
+        max_position_embeddings=8192,
     ),
     dtype=torch.bfloat16,
     chat=ChatShape(),
-    row_tokens=16384,
+    row_tokens=8192,
     max_conversation=4096,
     warmup=3,
     steps=10,
-    exact_steps=3,
+    exact_steps=4,
     padded_batch=4,
-    seconds=170.0,  # the last run then ends well within 4 minutes
+    # the runs then end within 4 minutes of the start even if a compile takes a minute
+    seconds=180.0,
 )
 # Seconds on a CPU: a 2-layer model, conversations and rows scaled down by 16.
 TINY_PLAN = Plan(
@@ -342,6 +355,66 @@ RUNS = {
 }
 
 
+@dataclass
+class Clock:
+    """Seconds since the start: progress lines and the deadline after which nothing starts."""
+
+    start: float  # time.monotonic() at the start
+    budget: float  # seconds after the start past which no run or step starts
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def past_deadline(self) -> bool:
+        return self.elapsed() > self.budget
+
+    def log(self, message: str) -> None:
+        # flushed: a run stopped from outside (or piped) still shows where it was
+        print(f"[{self.elapsed():6.1f} s] {message}", flush=True)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled so far in this process: transformers compiles flex
+    attention and its block mask; a step that adds some has compiled (or recompiled)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def see_every_shape(model, steps: list[Step], device: torch.device, clock: Clock) -> dict:
+    """Forward and backward of every padded micro-batch once, untimed by step, the gradients
+    dropped and no optimiser step (the weights do not change).
+
+    Each micro-batch of the padded run has a shape of its own (rows of its longest
+    conversation), and the first step with new shapes took seconds where the same step with
+    seen shapes took a few tenths (first H100 run: 0.34 to 1.95 s per step, no torch.compile
+    involved): a per-shape set-up in the attention or GEMM libraries. A long run meets its
+    shapes again, so the timed steps run on shapes seen here; what a first sight costs is
+    reported apart.
+    """
+    seconds = []
+    for step in steps:
+        for batch in step.padded:
+            harness.synchronize(device)
+            start = time.perf_counter()
+            padded_row_means(model, batch).sum().backward()
+            harness.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    shapes = {tuple(b["input_ids"].shape) for step in steps for b in step.padded}
+    clock.log(
+        f"padded: {len(seconds)} micro-batches of {len(shapes)} shapes seen once, "
+        f"{sum(seconds):.1f} s (median {statistics.median(seconds):.3f} s, "
+        f"max {max(seconds):.3f} s per micro-batch)"
+    )
+    return {
+        "micro_batches": len(seconds),
+        "shapes": len(shapes),
+        "seconds": seconds,
+        "median_seconds": statistics.median(seconds),
+    }
+
+
 def run_training(
     run: str,
     model,
@@ -350,8 +423,10 @@ def run_training(
     warmup: int,
     attention: str,
     device: torch.device,
+    clock: Clock,
 ) -> dict:
-    """``len(steps)`` optimiser steps from the initial weights; each step timed on its own."""
+    """Up to ``len(steps)`` optimiser steps from the initial weights, each timed on its own;
+    none starts past the clock's deadline."""
     model.load_state_dict(initial)
     model.set_attn_implementation("sdpa" if run == "padded" else attention)
     optimizer = torch.optim.AdamW(
@@ -360,8 +435,13 @@ def run_training(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, losses = [], []
-    for step in steps:
+    first_sight = see_every_shape(model, steps, device, clock) if run == "padded" else None
+    seconds, compiles, losses = [], [], []
+    for index, step in enumerate(steps):
+        if clock.past_deadline():
+            clock.log(f"{run}: past {clock.budget:.0f} s, {len(steps) - index} steps not run")
+            break
+        graphs = compiled_graphs()
         harness.synchronize(device)
         start = time.perf_counter()
         loss = train_step(run, model, step)
@@ -369,18 +449,41 @@ def run_training(
         optimizer.zero_grad(set_to_none=True)
         harness.synchronize(device)
         seconds.append(time.perf_counter() - start)
+        compiles.append(compiled_graphs() - graphs)
         losses.append(loss.item())
+        row = (
+            f", row of {step.packed_exact['input_ids'].shape[1]} tokens"
+            if run == "packed_exact_length"
+            else ""
+        )
+        clock.log(
+            f"{run} {'warm-up' if index < warmup else 'step'} {index + 1}/{len(steps)}: "
+            f"{seconds[-1]:.3f} s, {compiles[-1]} graphs compiled, loss {losses[-1]:.4f}{row}"
+        )
     del optimizer
     steady = seconds[warmup:]
-    tokens = [step.real_tokens for step in steps[warmup:]]
+    tokens = [step.real_tokens for step in steps[warmup : len(seconds)]]
     result = {
         "label": RUNS[run],
         "attention": "sdpa" if run == "padded" else attention,
         "warmup_seconds": seconds[:warmup],
+        "warmup_compiles": compiles[:warmup],
         "step_seconds": steady,
+        "step_compiles": compiles[warmup:],
+        "recompiles": sum(compiles[warmup:]),
+        "steps_not_run": len(steps) - len(seconds),
         "losses": losses,
-        "tokens_per_second": sum(tokens) / sum(steady) if steady else None,
+        # per step, then the median: one slow step moves it no more than the median step time
+        "tokens_per_second": (
+            statistics.median(t / s for t, s in zip(tokens, steady)) if steady else None
+        ),
     }
+    if first_sight is not None:
+        result["shapes_seen_before"] = first_sight
+    if run == "packed_exact_length":
+        result["row_lengths"] = [
+            step.packed_exact["input_ids"].shape[1] for step in steps[: len(seconds)]
+        ]
     if steady:
         result |= harness.summarize(steady, unit="seconds")
         result["slow_steps"] = sum(s > 2 * result["median_seconds"] for s in steady)
@@ -389,42 +492,53 @@ def run_training(
     return result
 
 
-def check_objective(model, initial: dict, step: Step, attention: str) -> dict:
-    """With the initial weights, untimed: each conversation's mean loss from the packed row
-    against the one from its padded row, and the step's loss both ways."""
+def check_objective(model, initial: dict, steps: list[Step], attention: str) -> dict:
+    """With the initial weights, untimed, on every step: each conversation's mean loss from the
+    packed row against the one from its padded row, and each step's loss both ways.
+
+    The packed forwards run with gradients enabled, as in training, though nothing calls
+    backward: transformers' compiled flex attention is specialised on the grad mode, so a check
+    under ``no_grad`` would compile it a second time (tens of seconds on the GPU)."""
     model.load_state_dict(initial)
-    with torch.no_grad():
-        model.set_attn_implementation(attention)
+    model.set_attn_implementation(attention)
+    packed_means, packed_losses, stock_losses = [], [], []
+    for step in steps:
         batch = step.packed
         # reduction="none": w_t * l_t per token, w_t = 1 / (targets of its conversation), so a
         # conversation's sum is its mean token loss
-        weighted = packed_loss(model, batch, reduction="none").reshape(-1).float()
+        weighted = packed_loss(model, batch, reduction="none").detach().reshape(-1).float()
         lengths = batch["cu_seqlens"].diff().long()
         sequence = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=lengths.device), lengths
         )
-        packed_means = torch.zeros(lengths.numel(), device=weighted.device).index_add_(
+        means = torch.zeros(lengths.numel(), device=weighted.device).index_add_(
             0, sequence, weighted
         )
-        packed_means = packed_means[: len(step.conversations)]  # the padding segment, if any, last
-        packed_mean_loss = packed_loss(model, batch).float()
-        stock = stock_loss(model, batch).float()
-        model.set_attn_implementation("sdpa")
-        padded = torch.cat([padded_row_means(model, b).float() for b in step.padded])
-        padded_means = torch.empty_like(padded).index_copy_(
-            0, torch.tensor(step.padded_order, device=padded.device), padded
-        )
-    per_conversation = ((packed_means - padded_means).abs() / padded_means.abs()).max().item()
-    padded_loss = padded_means.mean()
+        packed_means.append(means[: len(step.conversations)])  # the padding segment is last
+        packed_losses.append(packed_loss(model, batch).detach().float())
+        stock_losses.append(stock_loss(model, batch).detach().float())
+    model.set_attn_implementation("sdpa")
+    padded_means = []
+    with torch.no_grad():  # sdpa: nothing compiled
+        for step in steps:
+            rows = torch.cat([padded_row_means(model, b).float() for b in step.padded])
+            order = torch.tensor(step.padded_order, device=rows.device)
+            padded_means.append(torch.empty_like(rows).index_copy_(0, order, rows))
+    packed, padded = torch.cat(packed_means), torch.cat(padded_means)
+    padded_steps = torch.stack([means.mean() for means in padded_means])  # (steps,)
     return {
-        "conversations": len(step.conversations),
-        "max_rel_diff_per_conversation": per_conversation,
-        "rel_diff_loss": ((packed_mean_loss - padded_loss).abs() / padded_loss).item(),
-        "rel_diff_stock_token_mean": ((stock - padded_loss).abs() / padded_loss).item(),
+        "steps": len(steps),
+        "conversations": padded.numel(),
+        "packed_conversation_losses": packed.tolist(),
+        "padded_conversation_losses": padded.tolist(),
+        "max_rel_diff_per_conversation": relative(packed, padded).max().item(),
+        "rel_diff_loss": relative(torch.stack(packed_losses), padded_steps).max().item(),
+        "rel_diff_stock_token_mean": relative(torch.stack(stock_losses), padded_steps).max().item(),
     }
 
 
-def relative(a: float, b: float) -> float:
+def relative(a, b):
+    """``|a - b| / |b|``, of floats or elementwise of tensors."""
     return abs(a - b) / abs(b)
 
 
@@ -483,12 +597,13 @@ def main() -> int:
     out = args.out or (
         Path(tempfile.gettempdir()) / "packed_ce_bench" if args.tiny else harness.RESULTS_DIR
     )
+    clock = Clock(start=time.monotonic(), budget=plan.seconds)
     env = harness.environment(device, DISTRIBUTIONS)
-    started = time.monotonic()
+    clock.log(f"{env['device_name']}, torch {torch.__version__}")
 
     rng = np.random.default_rng(0)
     total_steps = plan.warmup + plan.steps
-    # about 18 conversations fill a row on average; twice that leaves rows to spare
+    # conversations average about 900 tokens: twice as many as fill the steps' rows
     conversations = make_conversations(
         total_steps * plan.row_tokens // 450 + 64,
         plan.model["vocab_size"],
@@ -497,34 +612,41 @@ def main() -> int:
         rng,
     )
     steps = make_steps(conversations, total_steps, plan, pad_to_multiple, device, rng)
-    print(
-        f"{len(conversations)} conversations; {total_steps} steps of one packed row each",
-        flush=True,
-    )
+    clock.log(f"{len(conversations)} conversations; {total_steps} steps of one packed row each")
 
+    clock.log("building the model ...")
     model = build_model(plan, device)
     parameters = sum(p.numel() for p in model.parameters())
     # on the host: the GPU's peak memory then counts only what training holds
     initial = {name: tensor.to("cpu", copy=True) for name, tensor in model.state_dict().items()}
-    print(f"model: {parameters / 1e9:.2f}B parameters, {plan.dtype}", flush=True)
+    clock.log(f"model: {parameters / 1e9:.2f}B parameters, {plan.dtype}")
 
-    check = check_objective(model, initial, steps[0], attention)
+    compiling = attention == "flex_attention"
+    clock.log(f"objective check{' (flex attention compiles here)' if compiling else ''} ...")
+    check = check_objective(model, initial, steps, attention)
+    clock.log(
+        f"objective check, {check['conversations']} conversations of {check['steps']} steps: "
+        f"max relative difference per conversation {check['max_rel_diff_per_conversation']:.1e}, "
+        f"per step {check['rel_diff_loss']:.1e}"
+    )
     tolerance = 1e-4 if plan.dtype == torch.float32 else 2e-2  # bf16: 8 significant bits
     runs = {}
     skipped = {}
     for run in args.runs:
-        if time.monotonic() - started > plan.seconds:
+        if clock.past_deadline():
             skipped[run] = f"not started: the run was past {plan.seconds:.0f} s"
-            print(f"run {run}: {skipped[run]}", flush=True)
+            clock.log(f"run {run}: {skipped[run]}")
             continue
-        print(f"run {run} ...", flush=True)
+        clock.log(f"run {run} ...")
         if run == "packed_exact_length":  # one warm-up step: each new length is the point
             runs[run] = run_training(
-                run, model, initial, steps[: 1 + plan.exact_steps], 1, attention, device
+                run, model, initial, steps[: 1 + plan.exact_steps], 1, attention, device, clock
             )
         else:
-            runs[run] = run_training(run, model, initial, steps, plan.warmup, attention, device)
-    if "packed" in runs and "padded" in runs:
+            runs[run] = run_training(
+                run, model, initial, steps, plan.warmup, attention, device, clock
+            )
+    if runs.get("packed", {}).get("losses") and runs.get("padded", {}).get("losses"):
         check["rel_diff_first_step_loss"] = relative(
             runs["packed"]["losses"][0], runs["padded"]["losses"][0]
         )
@@ -567,12 +689,14 @@ def main() -> int:
         "check": check,
         "runs": runs,
         "skipped_runs": skipped,
-        "seconds": time.monotonic() - started,
+        "seconds": clock.elapsed(),
     }
-    if "packed" in runs and "padded" in runs and "median_seconds" in runs["packed"]:
-        result["speedup_packed_over_padded"] = (
-            runs["padded"]["median_seconds"] / runs["packed"]["median_seconds"]
-        )
+    # speed-ups of packing at the same objective (padded), and over the stock token mean
+    for other in ("padded", "stock"):
+        if all("median_seconds" in runs.get(name, {}) for name in ("packed", other)):
+            result[f"speedup_packed_over_{other}"] = (
+                runs[other]["median_seconds"] / runs["packed"]["median_seconds"]
+            )
     json_path = harness.write_json(out / f"training_{harness.device_slug(env)}.json", result)
     table = make_tables.training_report(result)
     json_path.with_suffix(".md").write_text(table + "\n")

@@ -440,14 +440,16 @@ def training_report(result: dict) -> str:
         f"{data['row_tokens']} tokens padded to a multiple of {data['pad_to_multiple']}; padded: "
         f"micro-batches of {data['padded_batch']} conversations, "
         f"{data['padded_tokens_per_step']:.0f} tokens with padding. {result['warmup_steps']} "
-        "warm-up steps per run, reported apart; steady state: median (p20-p80) of the other "
-        "steps; tokens/s counts real tokens only; slow steps: steady steps over twice the "
-        "median (recompiles); peak: allocated GPU memory over the run, weights, gradients and "
-        "optimiser state included.",
+        "warm-up steps per run (1 for the exact-length run), reported apart; steady state: "
+        "median (p20-p80) of the other steps; tokens/s: real tokens only, the median over the "
+        "steady steps; compiles: graphs "
+        "torch.compile compiled in each warm-up step, then in all steady steps together "
+        "(recompiles); slow steps: steady steps over twice the median; peak: allocated GPU "
+        "memory over the run, weights, gradients and optimiser state included.",
         "",
-        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded | slow steps "
-        "| peak GiB | first-step loss |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| run | attention | warm-up steps s | steady step s | tokens/s | vs padded "
+        "| compiles warm-up; steady | slow steps | peak GiB | first-step loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs.values():
         speed = "-"
@@ -456,16 +458,22 @@ def training_report(result: dict) -> str:
         tokens = f"{run['tokens_per_second']:,.0f}" if run.get("tokens_per_second") else "-"
         peak = f"{run['peak_gib']:.1f}" if "peak_gib" in run else "-"
         warmup = ", ".join(f"{s:.2f}" for s in run["warmup_seconds"]) or "-"
+        compiles = f"{', '.join(map(str, run['warmup_compiles'])) or '-'}; {run['recompiles']}"
+        loss = f"{run['losses'][0]:.4f}" if run["losses"] else "-"
         lines.append(
             f"| {run['label']} | {run['attention']} | {warmup} | {_seconds(run)} | {tokens} "
-            f"| {speed} | {run.get('slow_steps', '-')} | {peak} | {run['losses'][0]:.4f} |"
+            f"| {speed} | {compiles} | {run.get('slow_steps', '-')} | {peak} | {loss} |"
         )
+    # results before the check covered every step hold no "steps": they checked the first one
+    checked = (
+        f"the {check['steps']} steps" if check.get("steps", 1) > 1 else "the first step"
+    )
     lines += [
         "",
-        f"- same objective, initial weights, {check['conversations']} conversations of the first "
-        f"step: each conversation's mean loss, packed row vs padded row, max relative "
-        f"difference {check['max_rel_diff_per_conversation']:.1e}; the step's loss "
-        f"{check['rel_diff_loss']:.1e}"
+        f"- same objective, initial weights, {check['conversations']} conversations of "
+        f"{checked}: each conversation's mean loss, packed row vs padded row, max relative "
+        f"difference {check['max_rel_diff_per_conversation']:.1e}; a step's loss "
+        f"{check['rel_diff_loss']:.1e} at most"
         + (
             f"; first training step's loss, packed run vs padded run, "
             f"{check['rel_diff_first_step_loss']:.1e}"
@@ -474,14 +482,43 @@ def training_report(result: dict) -> str:
         )
         + f" (tolerance {check['tolerance']:g}): {'passed' if check['passed'] else 'FAILED'}",
         f"- transformers' token mean (another objective) vs the per-conversation mean on the same "
-        f"step: relative difference {check['rel_diff_stock_token_mean']:.1e}",
+        f"steps: relative difference {check['rel_diff_stock_token_mean']:.1e} at most",
     ]
+    first_sight = runs.get("padded", {}).get("shapes_seen_before")
+    if first_sight:
+        seconds = first_sight["seconds"]
+        lines.append(
+            f"- padded: before its timed steps, every micro-batch once (forward and backward, "
+            f"no optimiser step): {first_sight['micro_batches']} micro-batches of "
+            f"{first_sight['shapes']} shapes, {sum(seconds):.1f} s, at first sight "
+            f"{first_sight['median_seconds']:.3f} s per micro-batch (median), "
+            f"{max(seconds):.2f} s at most"
+        )
+    exact = runs.get("packed_exact_length")
+    if exact:
+        steps = ", ".join(
+            f"{tokens} tokens {seconds:.2f} s ({graphs} compiled)"
+            for tokens, seconds, graphs in zip(
+                exact["row_lengths"],
+                exact["warmup_seconds"] + exact["step_seconds"],
+                exact["warmup_compiles"] + exact["step_compiles"],
+            )
+        )
+        lines.append(f"- rows at their exact length, step by step: {steps}")
     for run, reason in result.get("skipped_runs", {}).items():
         lines.append(f"- {run}: {reason}")
+    for name, run in runs.items():
+        if run.get("steps_not_run"):
+            lines.append(f"- {name}: {run['steps_not_run']} steps not run (time budget)")
     if "speedup_packed_over_padded" in result:
         lines.append(
             f"- packing at the same objective: {result['speedup_packed_over_padded']:.2f}x the "
             "padded steady-state step rate"
+        )
+    if "speedup_packed_over_stock" in result:
+        lines.append(
+            f"- packed_ce's per-conversation mean: {result['speedup_packed_over_stock']:.2f}x "
+            "the steady-state step rate of the stock padding-free token mean (another objective)"
         )
     return "\n".join(lines)
 

@@ -41,12 +41,26 @@ def test_tiny_run_writes_every_run_and_the_same_objective(tmp_path):
             1 if name == "packed_exact_length" else result["warmup_steps"]
         )
         assert run["step_seconds"] and run["tokens_per_second"] > 0
+        # sdpa on the CPU: torch.compile is never involved
+        assert run["steps_not_run"] == 0 and run["recompiles"] == 0
+        assert len(run["step_compiles"]) == len(run["step_seconds"])
+    padded = result["runs"]["padded"]["shapes_seen_before"]
+    steps = result["warmup_steps"] + len(result["runs"]["padded"]["step_seconds"])
+    assert padded["micro_batches"] == len(padded["seconds"]) >= steps >= padded["shapes"] > 0
+    exact = result["runs"]["packed_exact_length"]
+    assert len(exact["row_lengths"]) == 1 + len(exact["step_seconds"])
     check = result["check"]
     # fp32 on the CPU: packed and padded agree to rounding, conversation by conversation
     assert check["passed"] and check["tolerance"] == 1e-4
     assert check["max_rel_diff_per_conversation"] < 1e-5
     assert check["rel_diff_first_step_loss"] < 1e-5
-    assert result["speedup_packed_over_padded"] > 0
+    assert result["speedup_packed_over_padded"] > 0 and result["speedup_packed_over_stock"] > 0
+    # every conversation of every step is checked
+    assert check["steps"] == result["warmup_steps"] + len(result["runs"]["packed"]["step_seconds"])
+    assert check["conversations"] == round(
+        result["data"]["conversations_per_step"] * check["steps"]
+    )
+    assert len(check["packed_conversation_losses"]) == check["conversations"]
     table = (tmp_path / "training_cpu.md").read_text()
     assert "| packed rows, document-masked attention, packed_ce" in table and "passed" in table
 
@@ -85,9 +99,39 @@ def test_steps_hold_each_conversation_once_in_both_layouts(bench_training):
     assert step.real_tokens == sum(lengths)
 
 
+def test_no_step_starts_past_the_deadline(bench_training):
+    _, step, model, initial = tiny_setup(bench_training)
+    clock = bench_training.Clock(start=0.0, budget=0.0)  # long past
+    run = bench_training.run_training(
+        "packed", model, initial, [step], 1, "sdpa", torch.device("cpu"), clock
+    )
+    assert run["steps_not_run"] == 1 and run["losses"] == [] and "median_seconds" not in run
+    import make_tables
+
+    result = {
+        "environment": {"device_name": "cpu", "versions": {}},
+        "model": {"parameters": 1, "config": dict(bench_training.TINY_PLAN.model), "dtype": "x"},
+        "data": dict.fromkeys(
+            ("conversations_per_step", "real_tokens_per_step", "target_tokens_per_step"), 1.0
+        )
+        | {"row_tokens": 1, "pad_to_multiple": 1, "padded_batch": 1, "padded_tokens_per_step": 1},
+        "warmup_steps": 1,
+        "check": {
+            "conversations": 1,
+            "max_rel_diff_per_conversation": 0.0,
+            "rel_diff_loss": 0.0,
+            "rel_diff_stock_token_mean": 0.0,
+            "tolerance": 1e-4,
+            "passed": True,
+        },
+        "runs": {"packed": run},
+    }
+    assert "- packed: 1 steps not run (time budget)" in make_tables.training_report(result)
+
+
 def test_objective_check_fails_on_the_token_mean(bench_training, monkeypatch):
     _, step, model, initial = tiny_setup(bench_training)
-    check = bench_training.check_objective(model, initial, step, "sdpa")
+    check = bench_training.check_objective(model, initial, [step], "sdpa")
     assert check["max_rel_diff_per_conversation"] < 1e-5 and check["rel_diff_loss"] < 1e-5
     # the same check with an unweighted packed loss: every conversation's "mean" becomes its
     # sum of token losses, far from its padded mean
@@ -101,7 +145,7 @@ def test_objective_check_fails_on_the_token_mean(bench_training, monkeypatch):
         return real(*args, **options)
 
     monkeypatch.setattr(packed_ce, "fused_linear_cross_entropy", token_sum)
-    wrong = bench_training.check_objective(model, initial, step, "sdpa")
+    wrong = bench_training.check_objective(model, initial, [step], "sdpa")
     assert wrong["max_rel_diff_per_conversation"] > 0.5
 
 
