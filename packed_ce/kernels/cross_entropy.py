@@ -12,9 +12,9 @@ with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under `
 Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1. Where one block spans the row (V <= 32768 on a GPU) the row is
-  read once and held in registers from the logsumexp to the gradient: 2 * N * V element moves,
-  the floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient,
+  on the device when it is 1. Where one block spans the row (on a GPU: V <= 16384, or 32768
+  on parts with less memory bandwidth per SM, see :func:`_launch_config`) the row is read once
+  and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient,
   mostly from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was
   tried to remove the re-read).
 - recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
