@@ -14,9 +14,10 @@ Two ways to run it, both one program per row:
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
   on the device when it is 1. Where one block spans the row (on a GPU: V <= 16384, or 32768
   on parts with less memory bandwidth per SM, see :func:`_launch_config`) the row is read once
-  and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient,
-  mostly from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was
-  tried to remove the re-read).
+  and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the
+  floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient, mostly
+  from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was tried to
+  remove the re-read).
 - recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
   see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
   hand back an in-place gradient): the forward writes the loss and ``lse``; the backward reads
@@ -329,8 +330,8 @@ def _launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
         # the multi-block loop and its masked tail run at test-sized vocabularies.
         return min(triton.next_power_of_2(vocab_size), 1024), 1
     block = triton.next_power_of_2(vocab_size)
-    # One block per row: measured on an H100 and an H200 at V=8000 and 16000 (benchmarks/
-    # NOTES.md, v5), as fast or faster than two passes; 16 warps hold 32768 columns at most.
+    # One block per row, at most 32 fp32 columns per thread: measured on an H100 and an H200
+    # at V=8000 and 16000 (benchmarks/NOTES.md, v5) as fast as or faster than two passes.
     if block <= 4096:
         return block, 8
     if block <= 16384:
