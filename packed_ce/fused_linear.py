@@ -54,8 +54,9 @@ def fused_linear_cross_entropy(
     For "mean" and "sum" the gradients are computed during the forward and the backward only
     rescales them by the upstream gradient (free when it is 1); "none" recomputes each chunk's
     logits in the backward (``8 N H V`` FLOPs instead of ``6 N H V``). Rows without a target
-    can skip the GEMMs (``drop_ignored_rows=True``, one host sync). No host sync otherwise
-    (on CUDA ``validate`` checks on the device, see :func:`packed_ce.check_pending`).
+    skip the GEMMs where that pays (``drop_ignored_rows``, one host sync per call, by default
+    from ``N * H * V >= 2**40`` on a GPU); no host sync otherwise (on CUDA ``validate`` checks
+    on the device, see :func:`packed_ce.check_pending`).
 
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``, float32/bfloat16/float16 (float64 too with
@@ -76,8 +77,8 @@ def fused_linear_cross_entropy(
             :func:`packed_ce.cross_entropy`) and of :class:`packed_ce.ChunkOptions`:
             ``grad_accumulation_dtype=None`` (dtype of the running ``dL/dW`` over chunks),
             ``chunk_size=None`` (rows of logits per chunk; default about 256 MiB of logits),
-            ``drop_ignored_rows=False`` (leave rows without a target out of the GEMMs, one host
-            sync), each explained there; they override the objects' fields.
+            ``drop_ignored_rows=None`` (leave rows without a target out of the GEMMs where
+            that pays, one host sync), each explained there; they override the objects' fields.
 
     Returns:
         As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the

@@ -282,7 +282,8 @@ def test_chunk_size_does_not_change_the_result(backend_case, reduction):
 @pytest.mark.parametrize("backend_case", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_rows_without_a_target_skip_the_gemms(backend_case, reduction, monkeypatch):
-    """drop_ignored_rows changes the work, not the result; it is off by default (no host sync)."""
+    """drop_ignored_rows changes the work, not the result. Its default (None) drops the rows on
+    CPU, and on a GPU only from DROP_MIN_WORK on (far above these 30 rows: no host sync)."""
     backend, device, dtype, tol = backend_case
     gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, V, n_tokens=30, device=device)
@@ -308,18 +309,51 @@ def test_rows_without_a_target_skip_the_gemms(backend_case, reduction, monkeypat
 
     monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
     results = {}
-    for drop, validate in ((False, True), (False, False), (True, False), (True, True)):
+    for drop, validate in ((None, True), (False, True), (False, False), (True, False), (True, True)):
         gemm_rows.clear()
         results[drop, validate] = _loss_and_grads(
             _fused(packing.labels, drop_ignored_rows=drop, validate=validate, **kwargs),
             inputs,
             upstream,
         )
-        dropped = drop
+        dropped = drop or (drop is None and device == "cpu")
         passes = 2 if reduction == "none" else 1  # "none" recomputes the logits in the backward
         assert sum(gemm_rows) == passes * (with_targets if dropped else 30)
     for result in results.values():
         _assert_close(result, results[False, True], tol)
+
+
+def test_when_rows_without_a_target_are_dropped(monkeypatch):
+    """drop_ignored_rows: None drops on CPU and never on another device it cannot judge, True
+    and False are obeyed, and nothing drops while tracing (a data-dependent row count)."""
+    hidden, weight = torch.zeros(4, 3), torch.zeros(5, 3)
+    assert chunks.drops_rows(None, hidden, weight)
+    assert chunks.drops_rows(True, hidden, weight)
+    assert not chunks.drops_rows(False, hidden, weight)
+    assert not chunks.drops_rows(None, hidden.to("meta"), weight.to("meta"))
+    monkeypatch.setattr(chunks, "is_tracing", lambda: True)
+    assert not chunks.drops_rows(None, hidden, weight)
+    assert not chunks.drops_rows(True, hidden, weight)
+
+
+def test_every_row_with_a_target_runs_on_slices(monkeypatch):
+    """Nothing to drop: the chunks stay views of the inputs, no row is gathered or scattered."""
+    gen = torch.Generator().manual_seed(seed_for_test())
+    labels = torch.randint(0, V, (20,), generator=gen)
+    inputs = _inputs(gen, (20,), V, torch.float64, "cpu")
+    selections = []
+    take = chunks._take
+
+    def recording_take(tensor, selection):
+        selections.append(selection)
+        return take(tensor, selection)
+
+    monkeypatch.setattr(chunks, "_take", recording_take)
+    ours = _loss_and_grads(
+        _fused(labels, drop_ignored_rows=True, backend="torch", chunk_size=CHUNK), inputs
+    )
+    assert selections and all(isinstance(s, slice) for s in selections)
+    _assert_close(ours, _loss_and_grads(_explicit(labels, backend="torch"), inputs), 1e-12)
 
 
 @pytest.mark.parametrize("backend_case", BACKENDS)
@@ -970,3 +1004,52 @@ def test_gpu_no_host_sync(reduction, accumulation):
         loss.backward(upstream)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_gpu_default_drops_rows_where_it_pays(monkeypatch):
+    """By default rows without a target skip the GEMMs from N*H*V = DROP_MIN_WORK on (one host
+    sync), with the result of keeping them; below it, or under torch.cuda.set_sync_debug_mode,
+    every row goes through and the call makes no host sync."""
+    vocab, hidden_size = 131072, 2048
+    gen = torch.Generator().manual_seed(seed_for_test())
+    packing = random_packing(gen, vocab, rows=2, row_len=2048, max_len=300, device="cuda")
+    assert 4096 * hidden_size * vocab == chunks.DROP_MIN_WORK
+    inputs = _inputs(gen, (2, 2048), vocab, torch.bfloat16, "cuda", hidden_size=hidden_size)
+    kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True, validate=False)
+    with_targets = int(
+        (prepare_targets(packing.labels, cu_seqlens=packing.cu_seqlens, shift=True).coef != 0).sum()
+    )
+    assert with_targets < 4096
+    gemm_rows = []
+    linear_into = chunks._linear_into
+
+    def counting_linear_into(out, hidden_c, *args):
+        gemm_rows.append(len(hidden_c))
+        return linear_into(out, hidden_c, *args)
+
+    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+
+    def rows_through_the_gemms(fn, inputs):
+        gemm_rows.clear()
+        result = _loss_and_grads(fn, inputs)
+        return sum(gemm_rows), result
+
+    rows, dropped = rows_through_the_gemms(_fused(packing.labels, **kwargs), inputs)
+    assert rows == with_targets
+    rows, kept = rows_through_the_gemms(
+        _fused(packing.labels, drop_ignored_rows=False, **kwargs), inputs
+    )
+    assert rows == 4096
+    _assert_close(dropped, kept, 1e-2)  # bf16 GEMMs of other shapes: other roundings
+    smaller = (inputs[0][..., : hidden_size // 2], inputs[1][:, : hidden_size // 2], inputs[2])
+    assert rows_through_the_gemms(_fused(packing.labels, **kwargs), smaller)[0] == 4096
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows, quiet = rows_through_the_gemms(_fused(packing.labels, **kwargs), inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rows == 4096
+    _assert_close(quiet, kept, 1e-5)
