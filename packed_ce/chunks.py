@@ -28,8 +28,9 @@ altogether, which needs their number on the host (one wait for the device, see
   the loss-scaled upstream gradient, or its small entries flush to zero in fp16. FLOPs: ``8 M H V``.
 
 Memory beyond the inputs and their gradients: the ``(C, V)`` chunk buffer in the input dtype
-(``C`` is chosen so that it holds about 256 MiB: 1024 rows of a 128256-token vocabulary in bf16),
-two ``(C, H)`` blocks when rows are dropped (the chunk's gathered rows and their gradient) and,
+and, when rows are dropped, two ``(C, H)`` blocks (the chunk's gathered rows and their
+gradient), together at most 256 MiB with the default ``C`` (in bf16 at V=128256: 1024 rows, or
+896 rows beside blocks of H=4096), and,
 with ``grad_accumulation_dtype=torch.float32`` and a half-precision weight, the float32
 ``(V, H)`` accumulator of ``dL/dW``.
 
@@ -64,9 +65,16 @@ CHUNK_ROW_MULTIPLE = 128
 DROP_MIN_WORK = 2**40
 
 
-def default_chunk_size(vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk: about :data:`CHUNK_BYTES` of ``dtype`` logits, a multiple of 128 rows."""
-    rows = CHUNK_BYTES // (vocab_size * dtype.itemsize)
+def default_chunk_size(vocab_size: int, dtype: torch.dtype, gathered_width: int = 0) -> int:
+    """Rows per chunk: at most :data:`CHUNK_BYTES` of ``dtype`` per chunk, a multiple of 128 rows.
+
+    Args:
+        vocab_size: V, the columns of a chunk of logits.
+        dtype: of the chunk of logits.
+        gathered_width: more columns of ``dtype`` per row that exist with each chunk: ``2 H``
+            when rows are dropped (the gathered ``(C, H)`` rows and their ``(C, H)`` gradient).
+    """
+    rows = CHUNK_BYTES // ((vocab_size + gathered_width) * dtype.itemsize)
     return max(CHUNK_ROW_MULTIPLE, rows // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
 
 
@@ -511,11 +519,12 @@ def chunked_loss(
         ``(loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows for "none"; z_loss detached.
     """
     chunk_loss = _triton_chunk_loss(options) if backend == "triton" else _torch_chunk_loss(options)
+    drop = drops_rows(chunk_options.drop_ignored_rows, hidden, weight)
     chunk_size = chunk_options.chunk_size
     if chunk_size is None:
         # the torch backend also holds the chunk upcast to the compute dtype
         dtype = compute_dtype(hidden.dtype) if backend == "torch" else hidden.dtype
-        chunk_size = default_chunk_size(weight.shape[0], dtype)
+        chunk_size = default_chunk_size(weight.shape[0], dtype, 2 * hidden.shape[1] if drop else 0)
     accumulation_dtype = weight.dtype
     wider = chunk_options.grad_accumulation_dtype
     if wider is not None and wider.itemsize > weight.dtype.itemsize:
@@ -533,7 +542,7 @@ def chunked_loss(
             chunk_loss,
             chunk_size,
             accumulation_dtype,
-            drops_rows(chunk_options.drop_ignored_rows, hidden, weight),
+            drop,
             options.reduction != "none",
             compute_grad,
             stats,

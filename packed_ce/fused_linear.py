@@ -76,7 +76,7 @@ def fused_linear_cross_entropy(
         **keywords: the fields of :class:`packed_ce.LossOptions` (as in
             :func:`packed_ce.cross_entropy`) and of :class:`packed_ce.ChunkOptions`:
             ``grad_accumulation_dtype=None`` (dtype of the running ``dL/dW`` over chunks),
-            ``chunk_size=None`` (rows of logits per chunk; default about 256 MiB of logits),
+            ``chunk_size=None`` (rows of logits per chunk; default at most 256 MiB a chunk),
             ``drop_ignored_rows=None`` (leave rows without a target out of the GEMMs where
             that pays, one host sync), each explained there; they override the objects' fields.
 

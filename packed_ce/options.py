@@ -156,8 +156,10 @@ class ChunkOptions:
             GEMM rounds once. ``torch.float32``: one rounding at the end, as unfused, for an
             extra ``V * H * 4`` bytes while the forward runs (2 GiB at V=128256, H=4096) and
             twice the accumulator traffic per chunk. Never narrower than the weight's dtype.
-        chunk_size: rows of logits per chunk; default about 256 MiB of logits (1024 rows at
-            V=128256 in bf16). Larger chunks use more memory and run the GEMMs on larger tiles.
+        chunk_size: rows of logits per chunk; default at most 256 MiB per chunk (1024 rows
+            at V=128256 in bf16; fewer when rows are dropped, whose gathered ``(C, H)`` rows
+            and gradient count too). Larger chunks use more memory and run the GEMMs on larger
+            tiles.
         drop_ignored_rows: leave the rows without a target (``ignore_index``, the last token of
             each sequence under ``shift``, and every row when ``D == 0``) out of the GEMMs. The
             result is the same (their loss and gradient are 0) and the work shrinks by their

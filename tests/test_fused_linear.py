@@ -336,6 +336,32 @@ def test_when_rows_without_a_target_are_dropped(monkeypatch):
     assert not chunks.drops_rows(True, hidden, weight)
 
 
+def test_default_chunk_counts_the_gathered_rows(monkeypatch):
+    """The default chunk keeps its working set within CHUNK_BYTES: when rows are dropped, their
+    gathered (C, H) rows and (C, H) gradient count beside the (C, V) logits."""
+    vocab, hidden_size = 300, 100
+    # float64 on the torch backend: 8 bytes; 256 rows of V + 2H columns, 384 rows of V alone
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 256 * (vocab + 2 * hidden_size) * 8)
+    gen = torch.Generator().manual_seed(seed_for_test())
+    labels = torch.randint(0, vocab, (600,), generator=gen)
+    labels[torch.rand(600, generator=gen) < 0.2] = -100
+    inputs = _inputs(gen, (600,), vocab, torch.float64, "cpu", hidden_size=hidden_size)
+    gemm_rows = []
+    linear_into = chunks._linear_into
+
+    def counting_linear_into(out, hidden_c, *args):
+        gemm_rows.append(len(hidden_c))
+        return linear_into(out, hidden_c, *args)
+
+    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+    reference = _loss_and_grads(_explicit(labels, backend="torch"), inputs)
+    for drop, chunk in ((True, 256), (False, 384)):
+        gemm_rows.clear()
+        ours = _loss_and_grads(_fused(labels, drop_ignored_rows=drop, backend="torch"), inputs)
+        assert max(gemm_rows) == chunk
+        _assert_close(ours, reference, 1e-12)
+
+
 def test_every_row_with_a_target_runs_on_slices(monkeypatch):
     """Nothing to drop: the chunks stay views of the inputs, no row is gathered or scattered."""
     gen = torch.Generator().manual_seed(seed_for_test())
