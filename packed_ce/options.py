@@ -167,7 +167,7 @@ class ChunkOptions:
             device once per call to learn their number. None (default): drop them where that
             wait pays, see :func:`packed_ce.chunks.drops_rows`: on CPU always, on a GPU from
             ``N * H * V >= 2**40`` on (for example 8192 rows, H=2048, V=65536: GEMMs of about
-            9 ms on an H100, where the wait costs 0.2-0.6 ms), and never while tracing
+            9 ms on an H100, where the wait costs 0.1-0.6 ms), and never while tracing
             (torch.compile, CUDA-graph capture) or when ``torch.cuda.set_sync_debug_mode``
             asks to hear of host syncs. False: never (no host sync at all). True: always,
             except while tracing.

@@ -83,6 +83,19 @@ def _assert_close(actual, expected, tol):
         assert relative_error(grad, ref) < tol, f"grad of {name}"
 
 
+def _count_gemm_rows(monkeypatch) -> list[int]:
+    """A list that receives the row count of every logits GEMM the chunk loop runs from now on."""
+    gemm_rows = []
+    linear_into = chunks._linear_into
+
+    def counting_linear_into(out, hidden_c, *args):
+        gemm_rows.append(len(hidden_c))
+        return linear_into(out, hidden_c, *args)
+
+    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+    return gemm_rows
+
+
 def _boundaries(packing, kind):
     return (
         {"cu_seqlens": packing.cu_seqlens}
@@ -300,14 +313,7 @@ def test_rows_without_a_target_skip_the_gemms(backend_case, reduction, monkeypat
     prepared = prepare_targets(packing.labels, cu_seqlens=packing.cu_seqlens, shift=True)
     with_targets = int((prepared.coef != 0).sum())
 
-    gemm_rows = []  # rows of every logits GEMM
-    linear_into = chunks._linear_into
-
-    def counting_linear_into(out, hidden_c, *args):
-        gemm_rows.append(len(hidden_c))
-        return linear_into(out, hidden_c, *args)
-
-    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+    gemm_rows = _count_gemm_rows(monkeypatch)
     results = {}
     for drop, validate in ((None, True), (False, True), (False, False), (True, False), (True, True)):
         gemm_rows.clear()
@@ -346,14 +352,7 @@ def test_default_chunk_counts_the_gathered_rows(monkeypatch):
     labels = torch.randint(0, vocab, (600,), generator=gen)
     labels[torch.rand(600, generator=gen) < 0.2] = -100
     inputs = _inputs(gen, (600,), vocab, torch.float64, "cpu", hidden_size=hidden_size)
-    gemm_rows = []
-    linear_into = chunks._linear_into
-
-    def counting_linear_into(out, hidden_c, *args):
-        gemm_rows.append(len(hidden_c))
-        return linear_into(out, hidden_c, *args)
-
-    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+    gemm_rows = _count_gemm_rows(monkeypatch)
     reference = _loss_and_grads(_explicit(labels, backend="torch"), inputs)
     for drop, chunk in ((True, 256), (False, 384)):
         gemm_rows.clear()
@@ -1048,14 +1047,7 @@ def test_gpu_default_drops_rows_where_it_pays(monkeypatch):
         (prepare_targets(packing.labels, cu_seqlens=packing.cu_seqlens, shift=True).coef != 0).sum()
     )
     assert with_targets < 4096
-    gemm_rows = []
-    linear_into = chunks._linear_into
-
-    def counting_linear_into(out, hidden_c, *args):
-        gemm_rows.append(len(hidden_c))
-        return linear_into(out, hidden_c, *args)
-
-    monkeypatch.setattr(chunks, "_linear_into", counting_linear_into)
+    gemm_rows = _count_gemm_rows(monkeypatch)
 
     def rows_through_the_gemms(fn, inputs):
         gemm_rows.clear()
