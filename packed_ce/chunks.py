@@ -60,9 +60,9 @@ CHUNK_ROW_MULTIPLE = 128
 # on a GPU. Counting them makes the host wait for the device once; the device then idles while
 # the host enqueues the rest of the call: 0.1-0.6 ms on an H100 (torch 2.11), the gap between
 # dropping and keeping rows where dropping saves little (every row with a target, or the
-# smallest shapes). With 22% of the rows
-# without a target, dropping them broke even at N*H*V = 2**38 (4096 x 2048 x 32000) and saved
-# 16% at 2**41 (8192 x 2048 x 128256). 2**40 keeps a margin: e.g. 8192 rows, H=2048, V=65536.
+# smallest shapes). With 22% of the rows without a target, dropping them broke even at
+# N*H*V = 2**38 (4096 x 2048 x 32000) and saved 16% at 2**41 (8192 x 2048 x 128256). 2**40
+# keeps a margin: e.g. 8192 rows, H=2048, V=65536.
 DROP_MIN_WORK = 2**40
 
 
