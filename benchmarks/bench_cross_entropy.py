@@ -20,11 +20,11 @@ logits are redrawn from a normal distribution (untimed): in-place kernels
 the speed real data does. ``harness.py`` says how each call is timed.
 
 packed_ce runs with the defaults a user calls (``validate=True``: values checked on the device,
-no host sync) and, marked, with ``validate=False`` (values unchecked); it gets the aligned labels with ``shift=True`` and
-``cu_seqlens`` and does the shift and the per-sequence weights itself. The peers get the labels
-already shifted (the same target rows) and average per token. cut-cross-entropy has no
-logits-input loss (it fuses the classifier matmul with the loss), so it is measured by
-``bench_fused_linear.py``, not here.
+no host sync) and, marked, with ``validate=False`` (values unchecked); it gets the aligned
+labels with ``shift=True`` and ``cu_seqlens`` and does the shift and the per-sequence weights
+itself. The peers get the labels already shifted (the same target rows) and average per token.
+cut-cross-entropy has no logits-input loss (it fuses the classifier matmul with the loss), so
+it is measured by ``bench_fused_linear.py``, not here.
 
 Writes ``<out>/cross_entropy[_quick|_configs|_smoke]_<device>.json`` (and a ``.png`` plot for
 runs with a headline) and prints the tables, the headline last.

@@ -181,10 +181,7 @@ def time_calls(
     affects all of them alike, and ``samples_ms[i]`` of two functions form a fair pair. The
     order rotates by one function per rep, so every function takes every place in the order
     about equally often and none gains from its neighbours (at its power limit a GPU may run a
-    call after a light one at higher clocks). With a fixed order, the fused loss's defaults once
-    ran 5-8% faster than its ``validate=False`` variant timed right after them, on H100 and
-    H200 alike, though the two differ by one tiny kernel; a later run of both twice in a fixed
-    order did not reproduce the gap, and rotating leaves no place for one.
+    call after a light one at higher clocks; benchmarks/NOTES.md tells the gap that prompted it).
 
     Returns:
         ``{name: summary}`` with :func:`summarize`'s keys plus ``samples_ms`` and ``host_ms``
