@@ -44,7 +44,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -54,6 +53,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harness  # noqa: E402  (benchmarks/harness.py: the benchmarks' one timer)
 
 LOG2E = 1.4426950408889634
 
@@ -424,33 +426,19 @@ def main():
     sms = props.multi_processor_count
     out_dir = os.environ.get("OUT", "/tmp")
     reps = int(os.environ.get("REPS", "21"))
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
 
     def time_calls(fns: dict, reps: int) -> dict:
-        times = {k: [] for k in fns}
-        for i in range(reps + 2):
-            for name, fn in fns.items():
-                flush.zero_()
-                torch.cuda._sleep(2_000_000)
-                a = torch.cuda.Event(enable_timing=True)
-                b = torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                if i >= 2:
-                    times[name].append(a.elapsed_time(b))
-        return {k: (statistics.median(t), *statistics.quantiles(t, n=5)[::3]) for k, t in times.items()}
+        # the benchmarks' timer: L2 flushed and a head start before each call, order rotated
+        for fn in fns.values():
+            harness.warm_up(fn, setup=None, calls=2, device=dev)
+        timed = harness.time_calls(fns, setup=None, reps=reps, device=dev)
+        return {k: (t["median_ms"], t["p20_ms"], t["p80_ms"]) for k, t in timed.items()}
 
-    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    copy_ms = time_calls({"copy": lambda: dst.copy_(src)}, 15)["copy"][0]
-    copy_gbps = 2 * src.numel() / copy_ms / 1e6
-    del src, dst
-    torch.cuda.empty_cache()
+    copy_gbps = harness.copy_bandwidth(dev, 2 * 2**30, 15)["gbps"]
+    env = harness.environment(dev, ("triton",))
     result = {
         "device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
-        "copy_gbps": copy_gbps, "reps": reps, "rows": [],
+        "environment": env, "copy_gbps": copy_gbps, "reps": reps, "rows": [],
     }
     print(f"{props.name} torch {torch.__version__} triton {triton.__version__} copy {copy_gbps:.0f} GB/s",
           flush=True)
