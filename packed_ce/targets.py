@@ -253,10 +253,10 @@ def prepare_targets(
             ``labels[t+1]`` when ``t+1`` is in the same sequence, else none), ``ignore_index``
             and ``reduction``.
         dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
-        use_kernel: with ``cu_seqlens`` and float32, compute targets and weights with one Triton
-            launch (:mod:`packed_ce.kernels.targets`) instead of ~25 PyTorch kernels; for the
-            Triton backends in eager mode. The reference keeps the PyTorch path, so each checks
-            the other.
+        use_kernel: with float32, divide the weights by ``D`` in one Triton launch instead of
+            ~10 PyTorch kernels, and with ``cu_seqlens`` compute targets and weights in one more
+            instead of ~25 (:mod:`packed_ce.kernels.targets`); for the Triton backends in eager
+            mode. The reference keeps the PyTorch path, so each checks the other.
         **keywords: instead of the objects, their fields (``cu_seqlens=...``, ``shift=True``).
 
     Returns:
@@ -297,12 +297,8 @@ def prepare_targets(
         # call on the default path; the kernels stay memory-safe either way.
         boundaries = _clamped(boundaries, labels)
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
-    if (
-        use_kernel
-        and boundaries.cu_seqlens is not None
-        and dtype == torch.float32
-        and not torch.compiler.is_compiling()
-    ):
+    kernels = use_kernel and dtype == torch.float32 and not torch.compiler.is_compiling()
+    if kernels and boundaries.cu_seqlens is not None:
         from .kernels.targets import sequence_targets
 
         targets, weight, num_items = sequence_targets(
@@ -327,6 +323,10 @@ def prepare_targets(
         else:
             # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
             num_items = torch.full((), float(num_items), device=labels.device)
+    if kernels:
+        from .kernels.targets import normalise
+
+        return Targets(targets=targets, coef=normalise(weight.contiguous(), num_items))
     num_items = num_items.to(dtype)
     # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0. A negative or
     # non-finite D (a tensor whose value was not checked: validate=False, tracing) gives NaN,

@@ -151,6 +151,36 @@ def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("boundaries", ["cu_seqlens", "none"])
+@pytest.mark.parametrize(
+    "count",
+    [None, 7, 2**25 + 1, 0, -1.0, 0.3, float("nan"), float("inf"), 1e-40, 2**40 + 12345],
+    ids=lambda c: "default" if c is None else repr(c),
+)
+def test_normaliser_kernel_matches_pytorch(device, boundaries, count):
+    """The one-launch division of the weights by D against the PyTorch path, to the bit: D > 0,
+    D == 0 (coefficients 0), and the unchecked values a tensor D may hold (negative, NaN,
+    infinite: NaN coefficients), in int64, float64 and float32 (read as float32 on both)."""
+    gen = torch.Generator().manual_seed(seed_for_test())
+    packing = random_packing(gen, 50, n_tokens=150, max_len=60, device=device)
+    kwargs = dict(is_packed=boundaries == "cu_seqlens", shift=True, validate=False)
+    if boundaries == "cu_seqlens":
+        kwargs["cu_seqlens"] = packing.cu_seqlens
+    counts = [None] if count is None else [
+        torch.tensor(count, device=device),  # int64 or float32
+        torch.tensor(count, dtype=torch.float64, device=device),
+    ]
+    if isinstance(count, int) and count >= 0:
+        counts.append(count)  # a Python int, as the arguments' check lets through
+    for d in counts:
+        ours = prepare_targets(packing.labels, use_kernel=True, num_items_in_batch=d, **kwargs)
+        expected = prepare_targets(packing.labels, use_kernel=False, num_items_in_batch=d, **kwargs)
+        assert torch.equal(ours.coef.isnan(), expected.coef.isnan())
+        assert torch.equal(ours.coef.nan_to_num(), expected.coef.nan_to_num()), d
+    assert (ours.coef != 0).any() or count == 0 or count == float("inf")
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("num_items", [7, "tensor"])
 def test_num_items_in_batch(device, num_items):
     gen = torch.Generator().manual_seed(seed_for_test())

@@ -1,4 +1,5 @@
-"""Targets and per-token weights from labels and ``cu_seqlens`` in one launch.
+"""Targets and per-token weights from labels and ``cu_seqlens`` in one launch, and the weights
+divided by the normaliser ``D`` in one more.
 
 The PyTorch version in :mod:`packed_ce.targets` takes about 25 small kernels (searchsorted,
 shifts, index_add, ...): a few microseconds of device time each and, worse, their host-side
@@ -143,3 +144,48 @@ def sequence_targets(
         num_warps=4,
     )
     return targets, weight, num_items
+
+
+@triton.jit
+def _normalise_kernel(
+    weight_ptr,  # (N,) fp32 w_t
+    count_ptr,  # () D, any real dtype
+    coef_ptr,  # (N,) fp32 out: w_t * scale(D)
+    N,
+    BLOCK: tl.constexpr,
+):
+    d = tl.load(count_ptr).to(tl.float32)
+    # scale(D) = 1 / D for D > 0; 0 for D == 0 (nothing to learn from: loss 0, zero gradients,
+    # never 0/0); NaN for a negative, infinite or NaN D (a value that was not checked). The
+    # division is rounded to nearest, as PyTorch's: an approximate one would differ in the last
+    # bit from the reference path.
+    inverse = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.maximum(d, 1e-30))
+    scale = tl.where(d > 0.0, inverse, 0.0)
+    scale = tl.where((d >= 0.0) & (d < float("inf")), scale, float("nan"))
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    weight = tl.load(weight_ptr + offsets, mask=mask, other=0.0)
+    tl.store(coef_ptr + offsets, weight * scale, mask=mask)
+
+
+def normalise(weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``coef = weight * scale(D)`` (:mod:`packed_ce.targets`), in one launch where the PyTorch
+    form takes about ten 0-d kernels (compare, clamp, reciprocal, where, isfinite, ...).
+
+    Args:
+        weight: ``(N,)`` fp32 per-token weights ``w_t``, contiguous.
+        count: ``()`` ``D`` on ``weight``'s device, any real dtype (read as fp32, rounded to
+            nearest as ``Tensor.to`` does).
+
+    Returns:
+        ``(N,)`` fp32 coefficients.
+    """
+    coef = torch.empty_like(weight)
+    n = weight.numel()
+    if n == 0:
+        return coef
+    block = 64 if interpreting() else 1024
+    _normalise_kernel[(triton.cdiv(n, block),)](
+        weight_ptr=weight, count_ptr=count, coef_ptr=coef, N=n, BLOCK=block, num_warps=4
+    )
+    return coef
