@@ -158,9 +158,11 @@ def test_preparation_kernel_matches_pytorch(device, is_packed, shift, reduction)
     ids=lambda c: "default" if c is None else repr(c),
 )
 def test_normaliser_kernel_matches_pytorch(device, boundaries, count):
-    """The one-launch division of the weights by D against the PyTorch path, to the bit: D > 0,
-    D == 0 (coefficients 0), and the unchecked values a tensor D may hold (negative, NaN,
-    infinite: NaN coefficients), in int64, float64 and float32 (read as float32 on both)."""
+    """The one-launch division of the weights by D against the PyTorch path: D > 0, D == 0
+    (coefficients 0), and the unchecked values a tensor D may hold (negative, NaN, infinite: NaN
+    coefficients), in int64, float64 and float32 (read as float32 on both). To the bit where both
+    paths start from the same weights; with cu_seqlens the weights come from the targets kernel,
+    whose 1 / n_s on a GPU is not rounded to nearest (within 1e-6, as in the test above)."""
     gen = torch.Generator().manual_seed(seed_for_test())
     packing = random_packing(gen, 50, n_tokens=150, max_len=60, device=device)
     kwargs = dict(is_packed=boundaries == "cu_seqlens", shift=True, validate=False)
@@ -176,7 +178,10 @@ def test_normaliser_kernel_matches_pytorch(device, boundaries, count):
         ours = prepare_targets(packing.labels, use_kernel=True, num_items_in_batch=d, **kwargs)
         expected = prepare_targets(packing.labels, use_kernel=False, num_items_in_batch=d, **kwargs)
         assert torch.equal(ours.coef.isnan(), expected.coef.isnan())
-        assert torch.equal(ours.coef.nan_to_num(), expected.coef.nan_to_num()), d
+        if boundaries == "none":
+            assert torch.equal(ours.coef.nan_to_num(), expected.coef.nan_to_num()), d
+        else:
+            torch.testing.assert_close(ours.coef, expected.coef, rtol=1e-6, atol=0, equal_nan=True)
     assert (ours.coef != 0).any() or count == 0 or count == float("inf")
 
 
