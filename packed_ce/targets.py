@@ -254,7 +254,7 @@ def prepare_targets(
             and ``reduction``.
         dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
         use_kernel: with float32, divide the weights by ``D`` in one Triton launch instead of
-            ~10 PyTorch kernels, and with ``cu_seqlens`` compute targets and weights in one more
+            14 PyTorch launches, and with ``cu_seqlens`` compute targets and weights in one more
             instead of ~25 (:mod:`packed_ce.kernels.targets`); for the Triton backends in eager
             mode. The reference keeps the PyTorch path, so each checks the other.
         **keywords: instead of the objects, their fields (``cu_seqlens=...``, ``shift=True``).

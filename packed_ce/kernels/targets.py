@@ -170,7 +170,7 @@ def _normalise_kernel(
 
 def normalise(weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """``coef = weight * scale(D)`` (:mod:`packed_ce.targets`), in one launch where the PyTorch
-    form takes about ten 0-d kernels (compare, clamp, reciprocal, where, isfinite, ...).
+    form takes fourteen small launches (compares, clamp, reciprocal, where, isfinite, fills).
 
     Args:
         weight: ``(N,)`` fp32 per-token weights ``w_t``, contiguous.
