@@ -42,7 +42,6 @@ FUSED_MEMORY_TARGET = 1.25
 FUSED_SWEEP_COLUMNS = (
     ("ours", "packed_ce fused"),
     ("ours_keep", "packed_ce, every row (drop_ignored_rows=False)"),
-    ("ours_drop", "packed_ce, drop_ignored_rows=True"),  # runs before the default dropped rows
     ("compile_fp32", "torch.compile"),
     ("liger", "Liger-Kernel"),
     ("cce", "cut-cross-entropy"),
@@ -376,21 +375,19 @@ def fused_linear_sweep(result: dict) -> str:
     shapes: dict[tuple, dict] = {}
     for row in sweep["rows"]:
         shapes.setdefault((row["n"], row["vocab"]), {})[row["key"]] = row
-    present = {row["key"] for row in sweep["rows"]}
-    columns = [(key, title) for key, title in FUSED_SWEEP_COLUMNS if key in present]
-    titles = " | ".join(title for _, title in columns)
+    titles = " | ".join(title for _, title in FUSED_SWEEP_COLUMNS)
     lines = [
         f"Forward+backward, H={result['headline']['problem']['hidden']}, "
         f"{result['headline']['problem']['dtype']}: median ms / transient MiB.",
         "",
         f"| N | V | floor ms | {titles} |",
-        "|---:|---:|---:|" + "---:|" * len(columns),
+        "|---:|---:|---:|" + "---:|" * len(FUSED_SWEEP_COLUMNS),
     ]
     tflops = result["ceilings"]["matmul"]["tflops"]
     for (n, vocab), rows in sorted(shapes.items()):
         floor = 6 * n * result["headline"]["problem"]["hidden"] * vocab / tflops / 1e9
         cells = []
-        for key, _ in columns:
+        for key, _ in FUSED_SWEEP_COLUMNS:
             row = rows.get(key)
             if row is None:
                 cells.append("-")
@@ -412,12 +409,6 @@ def fused_linear_report(result: dict) -> str:
         f"{env['device_name']} ({_versions(env)}): bf16 {matmul['n']}^3 matmul "
         f"{matmul['tflops']:.0f} TFLOP/s.",
     ]
-    if any(row["key"] == "ours_drop" for row in result["headline"]["rows"]):
-        parts.append(
-            "Measured before `drop_ignored_rows` defaulted to None: the defaults then sent "
-            "every row through the GEMMs; the `drop_ignored_rows=True` rows are what the "
-            "defaults do now from N*H*V >= 2**40 on (here: N=8192 with V=128256, the headline)."
-        )
     if "sweep" in result:
         parts += ["#### sweep", fused_linear_sweep(result)]
     parts += ["#### headline", fused_linear_headline(result), fused_linear_targets(result)]

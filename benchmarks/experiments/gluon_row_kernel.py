@@ -447,10 +447,8 @@ def main():
               os.environ.get("SHAPES", "8192x32000,8192x128256").split(",")]
 
     def variants_for(v):
-        env = os.environ.get(f"VARIANTS_{v}")
-        if env:
-            return env.split(",")
-        return default_variants(v)
+        chosen = os.environ.get(f"VARIANTS_{v}")
+        return chosen.split(",") if chosen else default_variants(v)
     for n, v in shapes:
         gen = torch.Generator(device=dev).manual_seed(1234 + v)
         logits = (torch.randn(n, v, device=dev, generator=gen) * 2.0).to(torch.bfloat16)
