@@ -9,6 +9,8 @@ The public surface:
 - :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
 - :class:`TokenStats`: entropy and top-1 sums over the targets, returned by either loss with
   ``return_token_stats=True`` from its own read of the logits (for logging).
+- :class:`SequenceLosses`: each sequence's share of the loss and of the weight, returned with
+  ``return_seq_losses=True`` (a loss per data source, from the loss's own pass).
 - :func:`check_pending`: raises the error of a bad label or ``cu_seqlens`` given to an earlier
   call on CUDA, whose check ran on the device (call it before ``optimizer.step()``).
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
@@ -17,7 +19,7 @@ The public surface:
 from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from .options import ChunkOptions, LossOptions
-from .stats import TokenStats
+from .stats import SequenceLosses, TokenStats
 from .targets import count_normaliser
 from .validation import check_pending
 
@@ -30,6 +32,7 @@ __all__ = [
     "ChunkOptions",
     "count_normaliser",
     "TokenStats",
+    "SequenceLosses",
     "check_pending",
 ]
 __version__ = "0.1.0"

@@ -106,7 +106,8 @@ class _ChunkLoss:
 
     forward(z, targets, coef, write_grad, stats) -> (loss, z_term, lse), each ``(C,)``; with
         ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1; a
-        ``(C, 2)`` fp32 ``stats`` (or None) receives each row's entropy and top-1 hit.
+        ``(C, 3)`` fp32 ``stats`` (or None) receives each row's entropy and top-1 hit in its first
+        two columns.
     backward(z, targets, coef, lse, grad_rows): overwrites ``z`` with ``dL/dZ`` for the per-row
         upstream gradients ``grad_rows`` ``(C,)``.
     scale(grad, g): ``grad *= g`` in place for a 2-D ``grad`` and a 0-d device ``g``.
@@ -150,7 +151,7 @@ def _torch_chunk_loss(options: LossOptions) -> _ChunkLoss:
 
     def forward(z, targets, coef, write_grad, stats):
         if stats is not None:  # before rows() may overwrite z with its gradient
-            stats.copy_(token_stats_rows(z, targets, options))
+            stats[:, :2] = token_stats_rows(z, targets, options)
         ones = torch.ones_like(coef) if write_grad else None
         # no lse: the backward below recomputes everything from the logits
         return (*rows(z, targets, coef, ones), None)
@@ -332,7 +333,8 @@ def _forward_chunks(hidden, weight, bias, targets, coef, chunks, chunk_loss, gra
         targets: ``(M,)`` int64 and coef: ``(M,)`` fp32 (fp64 for fp64 inputs) of the rows
             taken (:meth:`_Chunks.compact`).
         chunks: :class:`_Chunks`. grads: :class:`_Grads` or None.
-        stats: ``(M, 2)`` fp32 buffer for each taken row's entropy and top-1 hit, or None.
+        stats: ``(M, 3)`` fp32 buffer for each taken row's entropy and top-1 hit (columns 0-1),
+            or None.
 
     Returns:
         ``(loss, z_term, lse)``: ``(M,)`` in coef's dtype; lse None on the torch backend.
@@ -401,7 +403,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         drop_ignored_rows: bool,  # leave rows with coef == 0 out of the GEMMs (one host sync)
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         compute_grad: bool,  # grad mode is on (ctx.needs_input_grad ignores torch.no_grad)
-        stats: torch.Tensor | None = None,  # (N, 2) fp32 zeros, filled in the taken rows
+        stats: torch.Tensor | None = None,  # (N, 3) fp32 zeros, filled in the taken rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs = tuple(compute_grad and flag for flag in ctx.needs_input_grad[:3])
         # nonzero waits for the device: the host needs M to size the GEMMs
@@ -419,11 +421,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grads = None
         if ctx.fused:
             grads = _Grads.allocate(hidden, weight, bias, needs, accumulation_dtype, chunks)
-        # the stats of the taken rows, in one (M, 2) block when rows are left out
-        taken_stats = stats if stats is None or rows is None else stats.new_zeros(rows.numel(), 2)
+        # the stats of the taken rows, in one (M, 3) block when rows are left out
+        taken_stats = stats if stats is None or rows is None else stats.new_zeros(rows.numel(), 3)
         loss, z_rows, lse = _forward_chunks(
             hidden, weight, bias, targets, coef, chunks, chunk_loss, grads, taken_stats
         )
+        if taken_stats is not None:
+            taken_stats[:, 2] = loss  # the rows' weighted losses, before they are summed
         if taken_stats is not None and rows is not None:
             stats.index_copy_(0, rows, taken_stats)
         if ctx.fused:
@@ -513,8 +517,9 @@ def chunked_loss(
         prepared: ``(N,)`` targets and coefficients (:func:`packed_ce.targets.prepare_targets`).
         backend: "triton" or "torch": which per-chunk cross entropy runs.
         options, chunk_options: the call's options.
-        stats: ``(N, 2)`` fp32 zeros or None: receives each row's entropy and top-1 hit, from
-            the chunks of logits the loss reads (rows without a target stay 0).
+        stats: ``(N, 3)`` fp32 zeros or None: receives each row's entropy, top-1 hit and
+            ``coef_t * l_t``, from the chunks of logits the loss reads (rows without a target
+            stay 0).
 
     Returns:
         ``(loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows for "none"; z_loss detached.

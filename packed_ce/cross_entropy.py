@@ -137,8 +137,8 @@ def cross_entropy(
         if backend == "torch":
             if stats is not None:
                 flat = logits.reshape(-1, logits.shape[-1])
-                stats.copy_(token_stats_rows(flat, prepared.targets, options))
-            return loss_from_targets(logits, prepared, options)
+                stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
+            return loss_from_targets(logits, prepared, options, stats)
         from .kernels.cross_entropy import triton_cross_entropy
 
         rows = logits.reshape(-1, logits.shape[-1])

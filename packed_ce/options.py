@@ -71,6 +71,10 @@ class LossOptions:
             rows with a target, of each row's softmax entropy and top-1 hit, and their number,
             from the loss's own read of the logits (no second pass), detached, whatever the
             reduction.
+        return_seq_losses: also return a :class:`packed_ce.SequenceLosses`: each sequence's
+            share of the loss (``sum_t coef_t l_t`` over its targets, which add up to the loss)
+            and of the weight (``sum_t coef_t``), from the same pass as the loss, detached; their
+            ratio is the sequence's mean token loss (for a loss per data source, say).
         inplace_backward: the kernel may write the gradient into the storage of ``logits``,
             which then no longer hold the logits (saves one ``(N, V)`` buffer). With False the
             input is never modified. No effect on the fused loss, whose logits are internal.
@@ -111,6 +115,7 @@ class LossOptions:
     softcap: float | None = None
     return_z_loss: bool = False
     return_token_stats: bool = False
+    return_seq_losses: bool = False
     inplace_backward: bool = False
     backend: str = "auto"
     validate: bool = True
@@ -119,6 +124,7 @@ class LossOptions:
         for name in ("is_packed", "shift", "return_z_loss", "inplace_backward", "validate"):
             _check_bool(name, getattr(self, name))
         _check_bool("return_token_stats", self.return_token_stats)
+        _check_bool("return_seq_losses", self.return_seq_losses)
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         if self.reduction not in REDUCTIONS:

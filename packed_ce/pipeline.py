@@ -18,8 +18,10 @@ else, in this order, is :func:`run_loss`:
    makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
    or at :func:`packed_ce.check_pending` (``seq_targets`` / ``seq_weights`` included);
 6. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
-   ``return_token_stats``, fills the per-row stats buffer in the same pass);
-7. "none" is reshaped to the labels' shape.
+   ``return_token_stats`` or ``return_seq_losses``, fills the per-row stats buffer in the same
+   pass);
+7. "none" is reshaped to the labels' shape; the stats are summed over the targets, or over each
+   sequence's targets.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ import torch
 
 from .options import Boundaries, LossOptions
 from .reference import compute_dtype
-from .stats import sum_token_stats
-from .targets import Targets, prepare_targets
+from .stats import sum_sequence_losses, sum_token_stats
+from .targets import Targets, prepare_targets, sequence_ids
 from .validation import (
     allowed_dtypes,
     check_arguments,
@@ -57,9 +59,10 @@ def run_loss(
 
     Args:
         run: ``(prepared, stats) -> (loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows
-            for "none"; ``stats`` is None, or with ``options.return_token_stats`` an ``(N, 2)``
-            float32 buffer of zeros that ``run`` fills with each row's entropy and top-1 hit
-            (at least in the rows whose coefficient is nonzero).
+            for "none"; ``stats`` is None, or with ``options.return_token_stats`` or
+            ``options.return_seq_losses`` an ``(N, 3)`` float32 buffer of zeros that ``run``
+            fills with each row's entropy, top-1 hit and ``coef_t * l_t`` (at least in the rows
+            whose coefficient is nonzero).
         labels: ``(N,)`` or ``(B, T)`` integer labels.
         boundaries: the call's per-call tensors. options: its options.
         backend: "triton" or "torch" (:func:`packed_ce.runtime.resolve_backend`).
@@ -70,8 +73,8 @@ def run_loss(
     Returns:
         The loss, 0-d for "mean"/"sum", ``labels``-shaped for "none"; then ``z_loss`` (shaped
         like the loss) with ``options.return_z_loss``, then a :class:`packed_ce.TokenStats`
-        with ``options.return_token_stats``: ``loss``, ``(loss, z_loss)``, ``(loss, stats)``
-        or ``(loss, z_loss, stats)``.
+        with ``options.return_token_stats``, then a :class:`packed_ce.SequenceLosses` with
+        ``options.return_seq_losses``: ``loss`` alone, or a tuple in that order.
     """
     check_pending()
     check_arguments(
@@ -102,13 +105,16 @@ def run_loss(
             *values, prepared.coef, boundaries.num_items_in_batch, **per_sequence
         )
     stats = None
-    if options.return_token_stats:
+    if options.return_token_stats or options.return_seq_losses:
         # zeros: a row the loss skips (no target, left out of the GEMMs) is never written
-        stats = torch.zeros(prepared.coef.shape[0], 2, dtype=torch.float32, device=device)
+        stats = torch.zeros(prepared.coef.shape[0], 3, dtype=torch.float32, device=device)
     loss, z_loss = run(prepared, stats)
     if options.reduction == "none":
         loss, z_loss = loss.reshape(labels.shape), z_loss.reshape(labels.shape)
     outputs = (loss, z_loss) if options.return_z_loss else (loss,)
-    if stats is not None:
-        outputs += (sum_token_stats(stats, prepared.coef),)
+    if options.return_token_stats:
+        outputs += (sum_token_stats(stats[:, :2], prepared.coef),)
+    if options.return_seq_losses:
+        seq, num_slots = sequence_ids(labels, boundaries.cu_seqlens, boundaries.position_ids)
+        outputs += (sum_sequence_losses(stats[:, 2], prepared.coef, seq, num_slots),)
     return outputs if len(outputs) > 1 else loss

@@ -94,7 +94,10 @@ def token_stats_rows(
 
 
 def loss_from_targets(
-    logits: torch.Tensor, prepared: Targets, options: LossOptions
+    logits: torch.Tensor,
+    prepared: Targets,
+    options: LossOptions,
+    stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, z_loss)`` of prepared targets: summed for "mean"/"sum", ``(N,)`` for "none".
 
@@ -102,10 +105,13 @@ def loss_from_targets(
         logits: ``(N, V)`` (any leading shape flattening to ``N`` rows).
         prepared: targets and coefficients from :func:`packed_ce.targets.prepare_targets`.
         options: the call's options.
+        stats: ``(N, 3)`` float32 or None: column 2 receives the rows' ``coef_t * l_t``.
     """
     rows = logits.reshape(-1, logits.shape[-1])
     loss, z_term = token_losses(rows, prepared.targets, options)
     loss, z_term = prepared.coef * loss, prepared.coef * z_term
+    if stats is not None:
+        stats[:, 2] = loss.detach()
     if options.reduction == "none":
         return loss, z_term.detach()
     return loss.sum(), z_term.sum().detach()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from collators import PackedCollator, PaddedCollator
+import packed_ce
 from packed_ce.integrations import apply_packed_loss
 
 from integration_utils import (
@@ -94,7 +95,7 @@ def test_fused_linear_on_cuda(dtype, loss_tol, grad_tol):
         is_packed=True,
         backend="triton",
         fused_linear=True,
-        fused_linear_options={"grad_accumulation_dtype": torch.float32},
+        fused_linear_options=packed_ce.ChunkOptions(grad_accumulation_dtype=torch.float32),
     )
     assert model(**batch, use_cache=False).logits is None
     actual = loss_and_gradients(model, model_loss(batch))

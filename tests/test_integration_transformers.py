@@ -205,13 +205,15 @@ def test_remove_restores_the_model_exactly():
         apply_packed_loss(model, fused_linear=fused, label_smoothing=0.1)
         apply_packed_loss(model, fused_linear=fused)  # a second call replaces the first
         assert isinstance(model.loss_function, PackedCausalLMLoss)
-        assert packed_loss_of(model).options["label_smoothing"] == 0.0
-        assert ("forward" in model.__dict__) == fused
+        assert packed_loss_of(model).options.label_smoothing == 0.0
+        # the installed forward checks every call, fused or not
+        assert ("forward" in model.__dict__) and (model._packed_ce.fused_options is not None) == fused
         remove_packed_loss(model)
         assert model.loss_function is ForCausalLMLoss
         assert "_loss_function" not in model.__dict__ and "forward" not in model.__dict__
         assert model.forward.__func__ is cls_forward
         assert dict(model._forward_pre_hooks) == hooks
+        assert not model.get_decoder()._forward_pre_hooks
         assert packed_loss_of(model) is None
     with pytest.raises(ValueError, match="not installed"):
         remove_packed_loss(model)

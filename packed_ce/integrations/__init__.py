@@ -1,7 +1,8 @@
 """Integrations of the packed loss with training libraries.
 
-- :func:`apply_packed_loss` / :func:`remove_packed_loss`: a transformers causal LM returns the
-  packing-aware loss from ``model(**batch)``, optionally through the fused linear cross entropy;
+- :func:`apply_packed_loss` / :func:`remove_packed_loss`: a transformers causal LM (or a PEFT
+  model of one) returns the packing-aware loss from ``model(**batch)``, optionally through the
+  fused linear cross entropy (:func:`fusable_reason` says why a head cannot be fused);
   packed batches stay exact whatever the call (no KV cache, no all-ones ``attention_mask``), and
   a trainer that would normalise it by a token count is refused;
 - :class:`PackedTrainer`: the transformers Trainer, exact with gradient accumulation and data
@@ -13,9 +14,11 @@
 """
 
 from .batch import count_num_items, next_token_targets, sequence_boundaries
+from .fused_forward import fusable_reason
+from .installation import packed_loss_of
 from .loss import PackedCausalLMLoss
 from .tiny import tiny_causal_lm
-from .transformers import apply_packed_loss, packed_loss_of, remove_packed_loss
+from .transformers import apply_packed_loss, remove_packed_loss
 
 __all__ = [
     "PackedCausalLMLoss",
@@ -23,6 +26,7 @@ __all__ = [
     "PackedTrainer",
     "apply_packed_loss",
     "count_num_items",
+    "fusable_reason",
     "next_token_targets",
     "packed_loss_of",
     "remove_packed_loss",

@@ -1,16 +1,21 @@
-"""The fused forward: a causal LM's loss from its hidden states, without the ``(N, V)`` logits."""
+"""The forward :func:`apply_packed_loss` installs: the packed-batch checks, then the model's own
+forward, or the loss from the hidden states without the ``(N, V)`` logits.
+
+The checks run inside ``forward`` rather than in a module hook because a PEFT adapter calls the
+base model's ``forward`` directly (``self.model.forward(...)``), past the hooks of its
+``__call__``: inside ``forward`` they run whoever calls it.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from torch import nn
 
-from .loss import TOKEN_STATS_KEY
-
-if TYPE_CHECKING:
-    from .transformers import _Installation
+from .hooks import checked_call
+from .installation import MISSING, Installation
+from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 
 # Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final
 # softcap) between the hidden states and the loss: the fused forward would silently drop it.
@@ -19,60 +24,100 @@ _UNFUSABLE_CONFIG_FIELDS = {
     "logits_scaling": "the logits are divided by config.logits_scaling",
 }
 
-# What _Installation records for an attribute the model did not have in its own __dict__.
-_MISSING = object()
 
+def fusable_reason(model: nn.Module) -> str | None:
+    """Why the fused linear cross entropy cannot reproduce ``model``'s loss, or None if it can.
 
-def _check_fusable(model: nn.Module) -> None:
-    """Raises unless the fused forward computes exactly what the model's own forward does."""
+    Args:
+        model: a transformers causal LM (the base model, not a PEFT or DDP wrapper).
+
+    Returns:
+        None when the output embedding is a plain ``nn.Linear`` (a LoRA-adapted or otherwise
+        wrapped head is not: its loss then runs on the logits) and nothing else stands between
+        the hidden states and the loss but the final softcap; else the reason, for a message.
+    """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
-        raise ValueError(
+    if type(head) is not nn.Linear:
+        return (
             f"fused_linear=True needs a model whose output embedding is an nn.Linear, got "
             f"{type(head).__name__} on {type(model).__name__}"
         )
     config = model.config
     for field, reason in _UNFUSABLE_CONFIG_FIELDS.items():
         if getattr(config, field, None) not in (None, 1, 1.0):
-            raise ValueError(f"fused_linear=True cannot reproduce {type(model).__name__}: {reason}")
+            return f"fused_linear=True cannot reproduce {type(model).__name__}: {reason}"
     if getattr(config, "output_router_logits", False):
-        raise ValueError(
+        return (
             f"fused_linear=True cannot reproduce {type(model).__name__}: with "
             "config.output_router_logits the loss includes the router's auxiliary loss"
         )
+    return None
 
 
-def _own_forward(model: nn.Module, installation: _Installation) -> Callable:
-    """The forward the model had before the fused one was installed."""
-    if installation.previous_forward is _MISSING:
+def _own_forward(model: nn.Module, installation: Installation) -> Callable:
+    """The forward the model had before the packed one was installed."""
+    if installation.previous_forward is MISSING:
         return type(model).forward.__get__(model)
     return installation.previous_forward
 
 
-def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
-    """The model's forward with the loss from the hidden states, when training with labels.
+def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
+    """The model's forward on a checked call; the loss from the hidden states where fused.
 
-    In training mode with ``labels`` (passed by keyword) the decoder runs as in the model's own
+    The call is first made exact or refused (:func:`checked_call`). Then, with the fused loss,
+    in training mode with ``labels`` (passed by keyword), the decoder runs as in the model's own
     forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
     hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
-    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keyword
-    ``packed_ce_token_stats=True`` the loss's own :class:`packed_ce.TokenStats` of the targets
-    (the logged metrics of :class:`PackedSFTTrainer`) are kept on the model's
+    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keywords
+    ``packed_ce_token_stats`` / ``packed_ce_seq_losses`` the loss's own
+    :class:`packed_ce.TokenStats` / :class:`packed_ce.SequenceLosses` are kept on the model's
     :class:`PackedCausalLMLoss`, as its call on logits does. Every other call runs the model's
-    own forward (the keyword then reaches the loss function). Everything is looked up on ``model`` at call time, so a copy
-    of the model (``copy.deepcopy``) uses its own modules.
+    own forward (the keywords then reach the loss function). Everything is looked up on
+    ``model`` at call time, so a copy of the model (``copy.deepcopy``) uses its own modules.
     """
+    installation = model._packed_ce
+    kwargs = checked_call(model, args, kwargs)
+    labels = kwargs.get("labels")
+    fused = installation.fused_options is not None
+    # the decoder runs on behalf of the packed loss (refuse_bypass); kept on the decoder itself so
+    # that a copy of the model (copy.deepcopy) counts its own calls
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    decoder._packed_ce_calls = decoder.__dict__.get("_packed_ce_calls", 0) + 1
+    try:
+        if not fused or args or labels is None or not model.training:
+            return _own_forward(model, installation)(*args, **kwargs)
+        return _fused_linear_forward(model, installation, kwargs)
+    finally:
+        decoder._packed_ce_calls -= 1
+
+
+def refuse_bypass(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The decoder's forward pre-hook: refuses a training pass that skips the packed loss.
+
+    trl's ``SFTTrainer`` (``fused_lm_head=True``) wraps the model's forward and runs the decoder
+    and its own LM-head loss without calling the model's forward: around a PEFT adapter, which
+    calls ``forward`` directly, no check on the model's call sees it, and the step would
+    silently train on trl's token mean. Every such path runs the decoder, so it is caught here:
+    in training mode the decoder may only run inside the installed forward.
+    """
+    if decoder.training and not decoder.__dict__.get("_packed_ce_calls", 0):
+        raise ValueError(
+            "this model has the packed loss (apply_packed_loss), but its decoder ran in training "
+            "mode outside the model's forward (e.g. trl's fused LM head, which computes trl's own "
+            "token mean): train with packed_ce.integrations.PackedSFTTrainer instead of "
+            "trl.SFTTrainer"
+        )
+
+
+def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     from ..fused_linear import fused_linear_cross_entropy
 
-    installation = model._packed_ce
     kwargs = dict(kwargs)
-    labels = kwargs.get("labels")
-    if args or labels is None or not model.training:
-        return _own_forward(model, installation)(*args, **kwargs)
-    want_stats = kwargs.pop(TOKEN_STATS_KEY, False)
-    del kwargs["labels"]
+    labels = kwargs.pop("labels")
+    want_stats = bool(kwargs.pop(TOKEN_STATS_KEY, False))
+    want_seq = bool(kwargs.pop(SEQ_LOSSES_KEY, False))
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop("shift_labels", None)
@@ -82,36 +127,35 @@ def _fused_linear_forward(model: nn.Module, args: tuple, kwargs: dict):
     targets, keywords = installation.loss.loss_keywords(
         labels, hidden.device, shift_labels, kwargs.get("num_items_in_batch"), kwargs
     )
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    loss = fused_linear_cross_entropy(
+    result = fused_linear_cross_entropy(
         hidden,
         head.weight,
         targets,
         bias=head.bias,
-        softcap=softcap,
-        return_token_stats=bool(want_stats),
+        softcap=getattr(model.config, "final_logit_softcapping", None),
+        return_token_stats=want_stats,
+        return_seq_losses=want_seq,
         **keywords,
         **installation.fused_options,
     )
-    if want_stats:
-        loss, installation.loss.token_stats = loss
-    result = CausalLMOutputWithPast(
+    loss = installation.loss.keep_metrics(result, want_stats, want_seq)
+    output = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
         past_key_values=getattr(outputs, "past_key_values", None),
         hidden_states=getattr(outputs, "hidden_states", None),
         attentions=getattr(outputs, "attentions", None),
     )
-    return result if return_dict is not False else result.to_tuple()
+    return output if return_dict is not False else output.to_tuple()
 
 
-def _make_fused_forward(model: nn.Module) -> Callable:
-    """:func:`_fused_linear_forward` bound to ``model``, with the signature of its own forward."""
+def make_forward(model: nn.Module) -> Callable:
+    """:func:`_packed_forward` bound to ``model``, with the signature of its own forward."""
 
     # wraps: inspect.signature(model.forward) keeps the original parameters, which the Trainer
     # reads to decide which data set columns to keep and whether the model takes loss keywords.
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
-        return _fused_linear_forward(self, args, kwargs)
+        return _packed_forward(self, args, kwargs)
 
     return forward.__get__(model)

@@ -1,5 +1,4 @@
-"""The forward pre-hook of :func:`apply_packed_loss`: every call with the packed loss is exact or
-refused."""
+"""The checks of every call of a model with the packed loss: exact or refused."""
 
 from __future__ import annotations
 
@@ -8,13 +7,14 @@ import sys
 import torch
 from torch import nn
 
-# The forward pre-hook passes the model's ``position_ids`` to the loss under this keyword; like any
-# extra keyword it also reaches the attention functions, which ignore keywords they do not know.
+# The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
+# any extra keyword it also reaches the attention functions, which ignore keywords they do not
+# know.
 POSITION_IDS_KEY = "packed_ce_position_ids"
 
 
-def _packed_batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    """Keeps every call of a model with the packed loss on the packed objective, or refuses it.
+def checked_call(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The keywords of a call of a model with the packed loss, kept on the packed objective.
 
     - ``fused_lm_head=True`` (trl's ``SFTTrainer``) computes trl's own token mean and never calls
       the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
@@ -25,6 +25,9 @@ def _packed_batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
       all-ones ``attention_mask``, either of which would make its sequences attend to each other.
     - ``position_ids`` are handed to the loss when the batch has no ``cu_seqlens``: a causal LM's
       forward consumes them and does not pass them on.
+
+    Returns:
+        the keywords to call the model's forward with (a new dict where any changed).
     """
     if kwargs.get("fused_lm_head"):
         raise ValueError(
@@ -37,8 +40,8 @@ def _packed_batch_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     kwargs = _exact_packed_call(args, kwargs)
     if kwargs.get("labels") is not None and kwargs.get("position_ids") is not None:
         if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is None:
-            kwargs[POSITION_IDS_KEY] = kwargs["position_ids"]
-    return args, kwargs
+            kwargs = {**kwargs, POSITION_IDS_KEY: kwargs["position_ids"]}
+    return kwargs
 
 
 def _refuse_token_count_trainer() -> None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..cross_entropy import cross_entropy
-from ..stats import TokenStats
+from ..options import LossOptions, changed_fields
+from ..stats import SequenceLosses, TokenStats
 from .batch import sequence_boundaries
 
 # With this keyword set to True in a model call, the packed loss (on the logits, or the fused
@@ -16,6 +18,9 @@ from .batch import sequence_boundaries
 # PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like POSITION_IDS_KEY it also
 # reaches the attention functions, which ignore keywords they do not know.
 TOKEN_STATS_KEY = "packed_ce_token_stats"
+# The same for the call's SequenceLosses (PackedCausalLMLoss.take_seq_losses()): each sequence's
+# share of the loss and of the weight, for a loss per data source.
+SEQ_LOSSES_KEY = "packed_ce_seq_losses"
 
 
 class PackedCausalLMLoss:
@@ -48,9 +53,11 @@ class PackedCausalLMLoss:
     A call with the keyword ``packed_ce_token_stats=True`` (:data:`TOKEN_STATS_KEY`, passed to
     ``model(...)``, which hands its extra keywords to the loss) also computes the
     :class:`packed_ce.TokenStats` of its targets in the loss's own pass over the logits and
-    keeps them for :meth:`take_token_stats`; so does the fused forward of
-    :func:`apply_packed_loss`. They live on this object, which the model holds, so they are
-    found the same way under DDP or FSDP wrappers.
+    keeps them for :meth:`take_token_stats`; ``packed_ce_seq_losses=True``
+    (:data:`SEQ_LOSSES_KEY`) keeps the call's :class:`packed_ce.SequenceLosses` for
+    :meth:`take_seq_losses`; so does the fused forward of :func:`apply_packed_loss`. They live on
+    this object, which the model holds, so they are found the same way under DDP, FSDP or PEFT
+    wrappers.
 
     Example:
         >>> loss_fn = PackedCausalLMLoss(is_packed=True)
@@ -71,9 +78,10 @@ class PackedCausalLMLoss:
         backend: str = "auto",
         validate: bool = True,
     ):
-        self.is_packed = is_packed
-        self.ignore_index = ignore_index
-        self.options = dict(
+        # checked once here; the shift and the extra outputs are set per call
+        self.options = LossOptions(
+            is_packed=is_packed,
+            ignore_index=ignore_index,
             label_smoothing=label_smoothing,
             z_loss_scale=z_loss_scale,
             inplace_backward=inplace_backward,
@@ -81,11 +89,36 @@ class PackedCausalLMLoss:
             validate=validate,
         )
         self.token_stats: TokenStats | None = None
+        self.seq_losses: SequenceLosses | None = None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.options.is_packed
+
+    @property
+    def ignore_index(self) -> int:
+        return self.options.ignore_index
 
     def take_token_stats(self) -> TokenStats | None:
         """The stats of the last call made with :data:`TOKEN_STATS_KEY`, once; then None."""
         stats, self.token_stats = self.token_stats, None
         return stats
+
+    def take_seq_losses(self) -> SequenceLosses | None:
+        """The per-sequence losses of the last call made with :data:`SEQ_LOSSES_KEY`, once."""
+        losses, self.seq_losses = self.seq_losses, None
+        return losses
+
+    def keep_metrics(self, result, want_stats: bool, want_seq: bool) -> torch.Tensor:
+        """The loss of a loss call's ``result``; its extra outputs kept for ``take_*``."""
+        if not (want_stats or want_seq):
+            return result
+        loss, *extra = result
+        if want_stats:
+            self.token_stats = extra.pop(0)
+        if want_seq:
+            self.seq_losses = extra.pop(0)
+        return loss
 
     def loss_keywords(
         self,
@@ -107,11 +140,8 @@ class PackedCausalLMLoss:
             num_items_in_batch = num_items_in_batch.to(device)
         keywords = dict(
             sequence_boundaries(targets, kwargs, is_packed=self.is_packed),
-            is_packed=self.is_packed,
-            shift=shift,
-            ignore_index=self.ignore_index,
             num_items_in_batch=num_items_in_batch,
-            **self.options,
+            options=dataclasses.replace(self.options, shift=shift),
         )
         return targets, keywords
 
@@ -143,13 +173,11 @@ class PackedCausalLMLoss:
         targets, keywords = self.loss_keywords(
             labels, logits.device, shift_labels, num_items_in_batch, kwargs
         )
-        if not kwargs.get(TOKEN_STATS_KEY):
-            return cross_entropy(logits, targets, **keywords)
-        loss, self.token_stats = cross_entropy(
-            logits, targets, return_token_stats=True, **keywords
+        want_stats, want_seq = bool(kwargs.get(TOKEN_STATS_KEY)), bool(kwargs.get(SEQ_LOSSES_KEY))
+        result = cross_entropy(
+            logits, targets, return_token_stats=want_stats, return_seq_losses=want_seq, **keywords
         )
-        return loss
+        return self.keep_metrics(result, want_stats, want_seq)
 
     def __repr__(self) -> str:
-        options = dict(is_packed=self.is_packed, ignore_index=self.ignore_index, **self.options)
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+        return f"{type(self).__name__}({changed_fields(self.options)})"

@@ -24,7 +24,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..validation import check_pending
 from .batch import count_num_items
-from .transformers import packed_loss_of
+from .installation import packed_loss_of
 
 
 class CheckPendingValues(TrainerCallback):

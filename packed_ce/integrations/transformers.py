@@ -8,11 +8,12 @@ and ``position_ids``, plus ``num_items_in_batch`` from the Trainer).
 model instance can get its own loss without touching the class:
 
 - :func:`apply_packed_loss` (this file) installs a :class:`PackedCausalLMLoss` (``loss.py``) on
-  one model, a forward pre-hook (``hooks.py``) that hands ``position_ids`` to it (the model
-  consumes them and does not pass them on) and keeps packed calls exact, and optionally a forward
-  (``fused_forward.py``) that computes the loss from the hidden states with
-  :func:`packed_ce.fused_linear_cross_entropy`;
-- :func:`remove_packed_loss` (this file) undoes all three exactly;
+  one model and a forward (``fused_forward.py``) that keeps every call exact (``hooks.py``),
+  hands ``position_ids`` to the loss (the model consumes them and does not pass them on) and,
+  optionally, computes the loss from the hidden states with
+  :func:`packed_ce.fused_linear_cross_entropy`; what it changed is recorded
+  (``installation.py``);
+- :func:`remove_packed_loss` (this file) undoes it exactly;
 - :func:`count_num_items` (``batch.py``) is the normaliser of one optimiser step over
   micro-batches and processes.
 
@@ -27,28 +28,12 @@ Nothing here imports ``datasets``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
 from torch import nn
 
-from .fused_forward import _MISSING, _check_fusable, _make_fused_forward
-from .hooks import _packed_batch_pre_hook
-from .loss import TOKEN_STATS_KEY, PackedCausalLMLoss  # noqa: F401 (TOKEN_STATS_KEY: re-exported)
-
-
-@dataclass
-class _Installation:
-    """What :func:`apply_packed_loss` changed on a model, so that it can be undone exactly."""
-
-    loss: PackedCausalLMLoss
-    hook: torch.utils.hooks.RemovableHandle
-    previous_loss_function: Any
-    fused_options: Mapping[str, Any] | None  # None: the model's own forward is kept
-    forward: Callable | None
-    previous_forward: Any
+from ..options import ChunkOptions
+from .fused_forward import fusable_reason, make_forward, refuse_bypass
+from .installation import MISSING, Installation, base_model
+from .loss import PackedCausalLMLoss
 
 
 def apply_packed_loss(
@@ -56,17 +41,21 @@ def apply_packed_loss(
     *,
     is_packed: bool = True,
     fused_linear: bool = False,
-    fused_linear_options: Mapping[str, Any] | None = None,
+    fused_linear_options: ChunkOptions | None = None,
     **options,
 ) -> nn.Module:
     """Makes ``model(**batch)`` return the packing-aware loss; :func:`remove_packed_loss` undoes it.
 
     Works for decoder-only transformers models that compute their loss through
-    ``self.loss_function`` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo, ...). Only this model
-    instance changes: its ``loss_function`` becomes a :class:`PackedCausalLMLoss`, a forward
-    pre-hook hands ``position_ids`` to it, and with ``fused_linear=True`` its ``forward`` is
-    replaced by one that, when training with ``labels``, computes the loss from the hidden states
-    with :func:`packed_ce.fused_linear_cross_entropy` and returns ``logits=None``: the ``(N, V)``
+    ``self.loss_function`` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo, Mixtral, ...), and
+    for a PEFT model wrapping one (``get_peft_model(model, LoraConfig(...))``), before or after
+    wrapping: the loss goes on the transformers model inside. Only that model instance changes:
+    its ``loss_function`` becomes a :class:`PackedCausalLMLoss` and its ``forward`` one that
+    checks every call (a packed batch runs without KV cache or all-ones ``attention_mask``,
+    ``position_ids`` reach the loss, a trainer that would normalise by a token count is refused)
+    before running the model's own. With ``fused_linear=True`` that forward, when training with
+    ``labels``, computes the loss from the hidden states with
+    :func:`packed_ce.fused_linear_cross_entropy` and returns ``logits=None``: the ``(N, V)``
     logits, the largest activation of fine-tuning, never exist. Calling it again replaces the
     previous installation.
 
@@ -76,13 +65,14 @@ def apply_packed_loss(
     ``max_length_q/k``.
 
     Args:
-        model: a transformers causal LM (``PreTrainedModel``).
+        model: a transformers causal LM (``PreTrainedModel``), or a PEFT model of one.
         is_packed: average per sequence (True) or per token like transformers (False).
-        fused_linear: use the fused linear cross entropy when training with labels. Needs an
-            ``nn.Linear`` output embedding and no extra logit scaling in the model's forward;
-            honours ``config.final_logit_softcapping``.
-        fused_linear_options: extra keywords of :func:`packed_ce.fused_linear_cross_entropy`
-            (``grad_accumulation_dtype``, ``chunk_size``).
+        fused_linear: use the fused linear cross entropy when training with labels. Needs a plain
+            ``nn.Linear`` output embedding (not one a LoRA adapter wraps) and no extra logit
+            scaling in the model's forward (:func:`fusable_reason`); honours
+            ``config.final_logit_softcapping``.
+        fused_linear_options: a :class:`packed_ce.ChunkOptions` for the fused loss
+            (``grad_accumulation_dtype``, ``chunk_size``, ``drop_ignored_rows``).
         **options: the other keywords of :class:`PackedCausalLMLoss` (``ignore_index``,
             ``label_smoothing``, ``z_loss_scale``, ``inplace_backward``, ``backend``, ``validate``).
 
@@ -90,7 +80,8 @@ def apply_packed_loss(
         ``model``, changed in place.
 
     Raises:
-        TypeError: for an unknown option.
+        TypeError: for an unknown option, or ``fused_linear_options`` that are not a
+            ``ChunkOptions``.
         ValueError: if ``fused_linear=True`` and the model's head cannot be fused, or with
             ``inplace_backward=True`` on a model that soft-caps its logits before the loss.
 
@@ -101,13 +92,21 @@ def apply_packed_loss(
         >>> batch = PackedCollator()(examples)                        # doctest: +SKIP
         >>> model(**batch, use_cache=False).loss.backward()           # doctest: +SKIP
     """
-    if getattr(model, "_packed_ce", None) is not None:
-        remove_packed_loss(model)
+    target = base_model(model)
+    if fused_linear_options is not None and not isinstance(fused_linear_options, ChunkOptions):
+        raise TypeError(
+            "fused_linear_options must be a packed_ce.ChunkOptions, got "
+            f"{type(fused_linear_options).__name__}: pass ChunkOptions(chunk_size=...)"
+        )
+    if getattr(target, "_packed_ce", None) is not None:
+        remove_packed_loss(target)
     loss = PackedCausalLMLoss(is_packed=is_packed, **options)
     if fused_linear:
-        _check_fusable(model)
-    elif loss.options["inplace_backward"] and getattr(
-        model.config, "final_logit_softcapping", None
+        reason = fusable_reason(target)
+        if reason is not None:
+            raise ValueError(reason)
+    elif loss.options.inplace_backward and getattr(
+        target.config, "final_logit_softcapping", None
     ):
         # the capped logits are tanh's output, which its backward reads: writing the loss
         # gradient into them would silently corrupt every gradient upstream
@@ -115,18 +114,21 @@ def apply_packed_loss(
             "inplace_backward=True cannot be used with config.final_logit_softcapping; use "
             "fused_linear=True, which applies the softcap inside the fused loss"
         )
-    installation = _Installation(
+    chunk_options = fused_linear_options if fused_linear_options is not None else ChunkOptions()
+    installation = Installation(
         loss=loss,
-        hook=model.register_forward_pre_hook(_packed_batch_pre_hook, with_kwargs=True),
-        previous_loss_function=model.__dict__.get("_loss_function", _MISSING),
-        fused_options=dict(fused_linear_options or {}) if fused_linear else None,
-        forward=_make_fused_forward(model) if fused_linear else None,
-        previous_forward=model.__dict__.get("forward", _MISSING),
+        fused_options=vars(chunk_options).copy() if fused_linear else None,
+        forward=make_forward(target),
+        previous_loss_function=target.__dict__.get("_loss_function", MISSING),
+        previous_forward=target.__dict__.get("forward", MISSING),
     )
-    model.loss_function = loss
-    if installation.forward is not None:
-        model.forward = installation.forward
-    model._packed_ce = installation
+    target.loss_function = loss
+    target.forward = installation.forward
+    if hasattr(target, "get_decoder"):
+        installation.decoder_hook = target.get_decoder().register_forward_pre_hook(
+            refuse_bypass, with_kwargs=True
+        )
+    target._packed_ce = installation
     return model
 
 
@@ -144,34 +146,24 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
         RuntimeError: if ``model.forward`` was replaced again after the fused forward was installed
             (restoring would drop that later change).
     """
-    installation = getattr(model, "_packed_ce", None)
+    target = base_model(model)
+    installation = getattr(target, "_packed_ce", None)
     if installation is None:
         raise ValueError(f"the packed loss is not installed on this {type(model).__name__}")
-    if installation.forward is not None:
-        if model.__dict__.get("forward") is not installation.forward:
-            raise RuntimeError(
-                "model.forward was replaced after apply_packed_loss(..., fused_linear=True); undo "
-                "that change first"
-            )
-        if installation.previous_forward is _MISSING:
-            del model.forward
-        else:
-            model.forward = installation.previous_forward
-    installation.hook.remove()
-    if installation.previous_loss_function is _MISSING:
-        del model._loss_function
+    if target.__dict__.get("forward") is not installation.forward:
+        raise RuntimeError(
+            "model.forward was replaced after apply_packed_loss; undo that change first"
+        )
+    if installation.previous_forward is MISSING:
+        del target.forward
     else:
-        model._loss_function = installation.previous_loss_function
-    del model._packed_ce
+        target.forward = installation.previous_forward
+    if installation.decoder_hook is not None:
+        installation.decoder_hook.remove()
+        target.get_decoder().__dict__.pop("_packed_ce_calls", None)
+    if installation.previous_loss_function is MISSING:
+        del target._loss_function
+    else:
+        target._loss_function = installation.previous_loss_function
+    del target._packed_ce
     return model
-
-
-def packed_loss_of(model: nn.Module) -> PackedCausalLMLoss | None:
-    """The :class:`PackedCausalLMLoss` installed on ``model`` (unwrapped from DDP), or None."""
-    installation = installation_of(model)
-    return None if installation is None else installation.loss
-
-
-def installation_of(model: nn.Module) -> _Installation | None:
-    """What :func:`apply_packed_loss` installed on ``model`` (unwrapped from DDP), or None."""
-    return getattr(getattr(model, "module", model), "_packed_ce", None)

@@ -125,7 +125,7 @@ def _cross_entropy_kernel(
     loss_ptr,  # (N,) fp32 out: coef * l_t, if COMPUTE_LOSS
     z_ptr,  # (N,) fp32 out: coef * z_loss_scale * lse^2, if COMPUTE_LOSS
     lse_ptr,  # (N,) fp32: written if COMPUTE_LOSS, else read
-    stats_ptr,  # (N, 2) fp32 out if COMPUTE_STATS: entropy of softmax(x), 1.0 if y is an argmax
+    stats_ptr,  # (N, >=2) fp32 out if COMPUTE_STATS: entropy of softmax(x), 1.0 if y is an argmax
     # shapes
     V,
     # strides
@@ -361,7 +361,7 @@ def launch_forward(
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
         grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
-        stats: ``(N, 2)`` fp32 buffer with unit column stride, or None: receives each row's
+        stats: ``(N, >=2)`` fp32 buffer with unit column stride, or None: receives each row's
             softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
             ``coef`` is 0), from the same read of the logits as the loss.
 
@@ -497,7 +497,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         softcap: float,
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
-        stats: torch.Tensor | None,  # (N, 2) fp32 out-buffer of launch_forward, or None
+        stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch_forward's two columns, loss rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
@@ -511,6 +511,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
         loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
+        if stats is not None:
+            stats[:, 2] = loss  # the rows' weighted losses, before they are summed
         if fused and inplace_backward:
             _mark_overwritten(logits)
         if reduce:
@@ -650,15 +652,16 @@ def triton_cross_entropy(
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
-        stats: ``(N, 2)`` fp32 buffer filled with each row's entropy and top-1 hit (see
-            :func:`launch_forward`), or None.
+        stats: ``(N, 3)`` fp32 buffer filled with each row's entropy and top-1 hit (see
+            :func:`launch_forward`) and its loss ``coef_t * l_t``, or None.
     """
     if torch.compiler.is_compiling():
         loss, z_rows, _, row_stats = cross_entropy_forward_op(
             logits, targets, coef, label_smoothing, z_loss_scale, softcap, stats is not None
         )
         if stats is not None:
-            stats.copy_(row_stats)
+            stats[:, :2] = row_stats
+            stats[:, 2] = loss
         if reduce:
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()

@@ -1,0 +1,67 @@
+"""What :func:`apply_packed_loss` changes on a model, and how to find it again.
+
+The installation lives on the transformers model itself (``model._packed_ce``): the model that
+computes the loss. Wrappers around it are looked through: DDP / FSDP's ``.module`` and a PEFT
+adapter's base model (``PeftModel.get_base_model()``), so the trainers find the loss whichever
+of them they hold.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .loss import PackedCausalLMLoss
+
+# What Installation records for an attribute the model did not have in its own __dict__.
+MISSING = object()
+
+
+@dataclass
+class Installation:
+    """What :func:`apply_packed_loss` changed on a model, so that it can be undone exactly.
+
+    Attributes:
+        loss: the model's loss function now.
+        fused_options: keywords of :func:`packed_ce.fused_linear_cross_entropy` when the loss is
+            computed from the hidden states; None when it runs on the model's logits.
+        forward: the forward installed on the model (the packed-batch checks, then the model's
+            own forward or the fused one).
+        previous_loss_function, previous_forward: the model's own attributes before, or
+            :data:`MISSING`.
+        decoder_hook: the decoder's pre-hook that refuses a training pass past the installed
+            forward (:func:`refuse_bypass`).
+    """
+
+    loss: PackedCausalLMLoss
+    fused_options: dict[str, Any] | None
+    forward: Callable
+    previous_loss_function: Any
+    previous_forward: Any
+    decoder_hook: torch.utils.hooks.RemovableHandle | None = None
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside data-parallel wrappers and a PEFT adapter."""
+    model = getattr(model, "module", model)  # DDP, FSDP1
+    if "peft" in sys.modules:
+        from peft import PeftModel
+
+        if isinstance(model, PeftModel):
+            return model.get_base_model()
+    return model
+
+
+def installation_of(model: nn.Module) -> Installation | None:
+    """What :func:`apply_packed_loss` installed on ``model`` (or the model it wraps), or None."""
+    return getattr(base_model(model), "_packed_ce", None)
+
+
+def packed_loss_of(model: nn.Module) -> PackedCausalLMLoss | None:
+    """The :class:`PackedCausalLMLoss` installed on ``model`` (or the model it wraps), or None."""
+    installation = installation_of(model)
+    return None if installation is None else installation.loss
