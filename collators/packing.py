@@ -37,6 +37,8 @@ Overflow = Literal["truncate", "drop", "error", "split"]
 OVERFLOWS = ("truncate", "drop", "error", "split")
 # The optional per-conversation weight column of a tokenized data set (see `PackedCollator`).
 WEIGHT_COLUMN = "weight"
+# A string per conversation naming where it comes from: carried to each of its pieces as `seq_sources`.
+SOURCE_COLUMN = "source"
 
 
 @dataclasses.dataclass
@@ -220,8 +222,11 @@ def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingSta
     return _Plan(source[order], offset[order], length[order], per_row)
 
 
-def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool) -> dict[str, np.ndarray]:
-    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting) and `seq_weights` (with weights).
+def _row_metadata(
+    plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool, sources: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
+    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting), `seq_weights` (with weights) and
+    `seq_sources` (with sources).
 
     `seq_targets` is the target count of the piece's whole conversation, or 1 for a conversation without
     targets: it has no target to weigh, and a divisor of 1 keeps `weight / seq_targets` finite.
@@ -231,6 +236,8 @@ def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, 
         columns["seq_targets"] = np.maximum(targets[plan.source], 1)
     if weights is not None:
         columns["seq_weights"] = weights[plan.source]
+    if sources is not None:
+        columns["seq_sources"] = sources[plan.source]
     return columns
 
 
@@ -256,7 +263,8 @@ def pack_dataset(
             ints of equal length per row (as made by `tokenize_dataset`), and optionally `weight`, a real
             number >= 0 per conversation (e.g. to weight data sources). An `IterableDataset` is read to the end
             (packing the whole data set needs every length); use `pack_stream` to pack a stream window by
-            window. Other columns are not carried over.
+            window. A `source` column (a string per conversation, `datasets.Dataset` only) is carried to
+            each piece as `seq_sources`; other columns are not carried over.
         max_length (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
         overflow (`str`, *optional*, defaults to `"truncate"`): what to do with a conversation longer than
             `max_length`: `"truncate"`, `"drop"`, `"split"` or `"error"` (raise `ValueError`).
@@ -267,8 +275,8 @@ def pack_dataset(
         `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints, at most `max_length` long),
         `seq_lengths` (the length of each sequence in the row, in row order; they sum to the row's length),
         with `overflow="split"` `seq_targets` (for each sequence, the target count of its whole conversation,
-        1 for a conversation without targets) and, when `dataset` has a `weight` column, `seq_weights` (each
-        sequence's conversation weight); or `(dataset, PackingStats)` with `return_stats=True`. Rows come in
+        1 for a conversation without targets), when `dataset` has a `weight` column, `seq_weights` (each
+        sequence's conversation weight) and with a `source` column `seq_sources`; or `(dataset, PackingStats)` with `return_stats=True`. Rows come in
         the order they were opened (longest pieces first); shuffle them in the DataLoader.
 
     Raises:
@@ -309,6 +317,7 @@ def pack_dataset(
 
     max_length = _check_packing_options(max_length, overflow)
     lengths, input_ids, labels, weights, fingerprint = _read_columns(dataset)
+    sources = _read_sources(dataset)
     check_tokens(input_ids, labels, ignore_index, "dataset")
 
     stats = PackingStats(max_length=max_length)
@@ -333,7 +342,7 @@ def pack_dataset(
         "input_ids": _list_array(token_bounds, pa.array(row_ids)),
         "labels": _list_array(token_bounds, pa.array(row_labels)),
     }
-    for name, values in _row_metadata(plan, targets, weights, overflow == "split").items():
+    for name, values in _row_metadata(plan, targets, weights, overflow == "split", sources).items():
         columns[name] = _list_array(piece_bounds, pa.array(values))
     stats.log()
     # An explicit fingerprint spares `datasets` hashing every token of the result.
@@ -341,6 +350,22 @@ def pack_dataset(
         fingerprint = Hasher.hash((fingerprint, max_length, overflow, ignore_index, "best-fit-decreasing"))
     result = datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)), fingerprint=fingerprint)
     return (result, stats) if return_stats else result
+
+
+def _read_sources(dataset) -> np.ndarray | None:
+    """The `source` column of a `datasets.Dataset` as a `(C,)` array of strings, or None without one."""
+    import datasets
+    import pyarrow as pa
+
+    if not isinstance(dataset, datasets.Dataset) or SOURCE_COLUMN not in dataset.column_names:
+        return None
+    sources = dataset.select_columns([SOURCE_COLUMN]).with_format("arrow")[:][SOURCE_COLUMN]
+    if sources.null_count or not (pa.types.is_string(sources.type) or pa.types.is_large_string(sources.type)):
+        raise ValueError(
+            f"`dataset` column {SOURCE_COLUMN!r} must hold a string for every row (got type {sources.type}, "
+            f"{sources.null_count} missing values)."
+        )
+    return np.asarray(sources.to_pylist(), dtype=object)
 
 
 def _read_columns(dataset):

@@ -218,10 +218,9 @@ def test_stock_sft_trainer_trains_another_objective(tmp_path):
     [
         (dict(loss_type="dft"), "loss_type"),
         (dict(label_smoothing_factor=0.1), "label_smoothing_factor"),
-        (dict(packing=True, packing_strategy="bfd_split"), "packing_strategy"),
         (dict(packing=True, packing_strategy="wrapped"), "packing_strategy"),
     ],
-    ids=["dft", "label_smoothing", "bfd_split", "wrapped"],
+    ids=["dft", "label_smoothing", "wrapped"],
 )
 def test_packed_sft_trainer_refuses_inexact_options(fields, name, tmp_path):
     vocab_size = len(sft_tokenizer())

@@ -3,61 +3,78 @@
 trl's ``SFTTrainer.compute_loss`` runs the model with ``fused_lm_head=True``: per-token
 log-probabilities summed and divided by the number of target tokens of the step. Packed or not,
 a long conversation then weighs as many times more as it has targets. Here the loss is the
-model's packed loss (:func:`apply_packed_loss`), normalised by the number of conversations with
-a target over every micro-batch and process (:class:`PackedNormaliserMixin`):
+model's packed loss (:func:`apply_packed_loss`), normalised by the weight of the conversations
+with a target over every micro-batch and process (:class:`PackedNormaliserMixin`):
 
-    L_step = 1 / S' * sum over the step's conversations s of ( 1 / n_s * sum_{t in s} l_t )
+    L_step = sum_c w_c mean_c / sum_c w_c        (w_c = 1 without a ``weight`` column)
 
-which is what training every conversation alone, one per row, averaging per conversation gives.
-It holds for every batch layout trl builds whose sequences are whole conversations:
-``padding_free=True`` (boundaries from ``cu_seq_lens_q`` / ``position_ids``), ``packing=True``
-with ``packing_strategy="bfd"`` (the same, from ``seq_lengths``) and padded batches (one
-conversation per row), with the labels trl masks for ``completion_only_loss`` and
-``assistant_only_loss``.
+over the step's conversations ``c`` (``mean_c`` = the mean token loss of ``c``), which is what
+training every conversation alone, one per row, averaging per conversation gives. It holds for
+every batch layout trl builds: ``padding_free=True``, ``packing=True`` with ``"bfd"`` or
+``"bfd_split"`` (a split conversation keeps its weight) and padded batches, with the labels trl
+masks for ``completion_only_loss`` and ``assistant_only_loss``, for PEFT models, and for MoE
+models, whose router loss is added as trl adds it.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import torch
 from trl import SFTTrainer
+from trl.chat_template_utils import has_generation_markers
+from trl.data_utils import is_conversational
 
 from ..stats import TokenStats
+from . import sft_data
+from .fused_forward import fusable_reason
+from .installation import base_model, installation_of, packed_loss_of
+from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .trainer import PackedNormaliserMixin
-from .fused_forward import _check_fusable
-from .loss import TOKEN_STATS_KEY
-from .transformers import apply_packed_loss, installation_of, packed_loss_of
+from .transformers import apply_packed_loss
 
-# Packing strategies that cut a conversation across rows: its pieces would each be averaged as a
-# conversation of its own until rows carry each piece's whole-conversation target count.
-_SPLITTING_STRATEGIES = {
-    "bfd_split": "splits conversations longer than max_length across rows",
-    "wrapped": "cuts the concatenated conversations into rows without regard to boundaries",
-}
+_SIGNATURE = inspect.signature(SFTTrainer.__init__)
 
 
 class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     """``trl.SFTTrainer`` (same constructor) minimising the mean over conversations.
 
-    Each optimiser step minimises the mean, over the conversations of all its micro-batches and
-    all processes, of each conversation's mean token loss. The model gets the packed loss at
-    construction unless it already has one: through the fused linear cross entropy (no
-    ``(N, V)`` logits) when its head allows it, else on the logits. To choose, call
-    :func:`apply_packed_loss` yourself first (``fused_linear=False``, ``label_smoothing``,
-    ``z_loss_scale``, ...).
+    Each optimiser step minimises the weighted mean, over the conversations of all its
+    micro-batches and all processes, of each conversation's mean token loss. The model gets the
+    packed loss at construction unless it already has one: through the fused linear cross
+    entropy (no ``(N, V)`` logits) when its head allows it (:func:`fusable_reason`; a LoRA
+    adapter on the head, or a MoE router loss, keeps the loss on the logits), else on the
+    logits. To choose, call :func:`apply_packed_loss` yourself first (``fused_linear=False``,
+    ``label_smoothing``, ``z_loss_scale``, ...).
 
-    Logged like trl: ``loss`` (the step's per-conversation mean), ``entropy`` and
-    ``mean_token_accuracy`` (token means over the targets, as trl defines them), ``num_tokens``.
-    The metrics come from the loss call itself (``return_token_stats``): the kernel computes
-    each target's entropy and top-1 hit in the pass that computes its loss, so neither path
-    reads the logits twice nor, in the fused path, runs the LM head again.
+    What it adds to trl:
+
+    - ``peft_config=`` or a PEFT model: the adapter's parameters minimise the packed mean.
+    - A MoE model's router loss (``router_aux_loss_coef``): ``coef * aux`` of each micro-batch is
+      added as trl adds it, divided by the accumulation steps (the mean over micro-batches).
+    - ``packing_strategy="bfd_split"``: conversations longer than ``max_length`` are split across
+      rows (the piece after a cut repeats the token before it), every target trains once, and a
+      split conversation weighs as one.
+    - A numeric ``weight`` column: conversation ``c`` weighs ``w_c`` (0 removes it).
+    - A string ``source`` column: ``loss/<source>`` is logged beside ``loss``, the mean over that
+      source's conversations in the logging window (weighted by ``weight``) of their mean token
+      loss, gathered over processes, from the loss's own pass (training only).
+    - ``assistant_only_loss=True`` under a chat template without ``{% generation %}`` markers:
+      the assistant turns and the tokens that end them are trained
+      (:func:`collators.tokenize_conversation`).
+
+    Logged like trl: ``loss``, ``entropy`` and ``mean_token_accuracy`` (token means over the
+    targets, as trl defines them), ``num_tokens``, ``aux_loss`` for MoE models; the metrics come
+    from the loss call itself (``return_token_stats``), so the logits are never read twice.
 
     Raises:
-        ValueError: for options that cannot give the per-conversation mean, naming each:
-            ``loss_type`` other than ``"nll"``, ``label_smoothing_factor > 0`` (use
-            ``apply_packed_loss(model, label_smoothing=...)``), ``compute_loss_func``,
-            ``packing_strategy`` ``"bfd_split"`` or ``"wrapped"``, a MoE router auxiliary
-            loss (``router_aux_loss_coef``), a PEFT model, context or sequence parallelism; and
-            those of :class:`PackedTrainer`.
+        ValueError / TypeError, before any data is tokenised, for options that cannot give the
+            per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
+            ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
+            ``compute_loss_func``, ``packing_strategy="wrapped"``, context or sequence
+            parallelism, a bad ``weight`` or ``source`` value (naming its row); and those of
+            :class:`PackedTrainer`.
 
     Example:
         >>> from trl import SFTConfig
@@ -69,70 +86,115 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     """
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._refuse_inexact_options()
+        bound = _SIGNATURE.bind(self, *args, **kwargs).arguments
+        config = bound.get("args")
+        if config is not None:
+            _refuse_inexact_options(config, bound.get("compute_loss_func"))
+        self._sources = sorted(
+            {
+                source
+                for name in ("train_dataset", "eval_dataset")
+                for dataset in _datasets(bound.get(name))
+                for source in sft_data.check_columns(dataset, name)
+            }
+        )
+        self._own_assistant_labels = False
+        if config is not None and config.assistant_only_loss:
+            template = getattr(bound.get("processing_class"), "chat_template", None)
+            # trl refuses such a template (or swaps in one of its own for a few known ones):
+            # the assistant turns are found by collators.tokenize_conversation instead
+            if template is not None and not has_generation_markers(template):
+                self._own_assistant_labels = True
+        restore = config is not None and self._own_assistant_labels
+        if restore:
+            config.assistant_only_loss = False
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            if restore:
+                config.assistant_only_loss = True
+        _refuse_inexact_options(self.args, self.compute_loss_func)
         if packed_loss_of(self.model) is None:
-            apply_packed_loss(self.model, is_packed=True, fused_linear=_fusable(self.model))
+            fused = fusable_reason(base_model(self.model)) is None
+            apply_packed_loss(self.model, is_packed=True, fused_linear=fused)
         self._check_packed_setup()
+        self.data_collator = sft_data.SequenceColumns(
+            self.data_collator, self._sources, self.padding_free
+        )
+        # per-source sums over the logging window: [source, (loss, weight)], on the device
+        self._source_sums: torch.Tensor | None = None
 
-    def _refuse_inexact_options(self) -> None:
-        args = self.args
-        if args.loss_type != "nll":
-            raise ValueError(
-                f"PackedSFTTrainer: loss_type={args.loss_type!r} reweights each token by its own "
-                "probability, so the step is no per-conversation mean; use loss_type='nll'"
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        for column in sft_data.ROW_COLUMNS:
+            if column not in self._signature_columns:
+                self._signature_columns.append(column)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
+        """trl's preparation, with this trainer's packing and, where needed, its labels.
+
+        trl tokenises and builds the labels (not truncating or packing when this trainer packs);
+        conversational data with ``assistant_only_loss`` under a template without generation
+        markers is tokenised by :func:`sft_data.assistant_labels` first. With ``packing=True``
+        the rows come from :func:`sft_data.pack` (best-fit decreasing, ``"bfd"`` truncating and
+        ``"bfd_split"`` splitting long conversations), which carries the ``weight`` and
+        ``source`` columns to every piece.
+        """
+        map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
+        if self._own_assistant_labels and is_conversational(next(iter(dataset))):
+            dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)
+        if not packing:
+            return super()._prepare_dataset(
+                dataset, processing_class, args, packing, formatting_func, name
             )
-        if args.label_smoothing_factor > 0:
-            raise ValueError(
-                "PackedSFTTrainer: label_smoothing_factor goes through the Trainer's label "
-                "smoother, a token mean; set it to 0 and call "
-                "apply_packed_loss(model, label_smoothing=...) before creating the trainer"
-            )
-        if self.compute_loss_func is not None:
-            raise ValueError(
-                "PackedSFTTrainer: compute_loss_func replaces the packed loss; leave it out"
-            )
-        if args.packing and args.packing_strategy in _SPLITTING_STRATEGIES:
-            raise ValueError(
-                f"PackedSFTTrainer: packing_strategy={args.packing_strategy!r} "
-                f"{_SPLITTING_STRATEGIES[args.packing_strategy]}, so a conversation's pieces "
-                "would be averaged as separate conversations; use packing_strategy='bfd'"
-            )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "PackedSFTTrainer: the MoE load-balancing loss (router_aux_loss_coef) is a "
-                "per-token mean added to the loss; set router_aux_loss_coef=0.0"
-            )
-        if hasattr(self.model, "peft_config"):
-            raise ValueError(
-                "PackedSFTTrainer does not support PEFT models yet: the adapter's forward calls "
-                "the base model's forward directly, past the packed loss's checks"
-            )
-        parallelism = self.accelerator.parallelism_config
-        if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
-            raise ValueError(
-                "PackedSFTTrainer does not support context or sequence parallelism "
-                "(parallelism_config): a conversation cut across ranks needs its whole target count"
-            )
+        if args.max_length is None:
+            raise ValueError("PackedSFTTrainer: packing=True needs max_length (the row length)")
+        # trl truncates unpacked rows to max_length; here the packer decides what a long
+        # conversation becomes, so it must see them whole
+        whole = copy.copy(args)
+        whole.max_length = None
+        unpacked = super()._prepare_dataset(
+            dataset, processing_class, whole, False, formatting_func, name
+        )
+        return sft_data.pack(unpacked, args.max_length, args.packing_strategy)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step; logs trl's metrics.
 
-        ``num_items_in_batch`` (sequences with a target over the step's micro-batches and all
-        processes) reaches the loss through the model call; with
+        ``num_items_in_batch`` (the weight of the conversations with a target over the step's
+        micro-batches and all processes) reaches the loss through the model call; with
         ``average_tokens_across_devices`` the loss is multiplied by the number of processes,
-        which cancels the data-parallel gradient averaging.
+        which cancels the data-parallel gradient averaging. A MoE router loss is added after
+        that, as trl adds it: ``coef * aux`` divided by the accumulation steps, averaged over
+        processes by the gradient all-reduce.
         """
         mode = "train" if self.model.training else "eval"
         packed_loss = installation_of(self.model).loss
-        call = {**inputs, "use_cache": False, TOKEN_STATS_KEY: True}
+        inputs = dict(inputs)
+        source_ids = inputs.pop(sft_data.SOURCE_IDS_KEY, None)
+        want_sources = source_ids is not None and mode == "train" and bool(self._sources)
+        call = {**inputs, "use_cache": False, TOKEN_STATS_KEY: True, SEQ_LOSSES_KEY: want_sources}
         if num_items_in_batch is not None:
             call["num_items_in_batch"] = num_items_in_batch
+        if self.aux_loss_enabled:
+            call["output_router_logits"] = True
         packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
+        packed_loss.take_seq_losses()
         outputs = model(**call)
         loss = outputs.loss
+        if self.aux_loss_enabled:
+            # the model's forward added its own coef * aux to the packed loss: take it out, and
+            # add trl's (its coefficient, divided by the micro-batches of the step)
+            aux = outputs.aux_loss.to(loss.device)
+            loss = loss - getattr(base_model(self.model), "router_aux_loss_coef", 0.0) * aux
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if self.aux_loss_enabled:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.router_aux_loss_coef * aux / steps
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux.detach()[None]).mean().item()
+            )
 
         stats = packed_loss.take_token_stats()
         if stats is None:
@@ -141,7 +203,37 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
                 "loss function (model.loss_function): the step would not be the packed mean"
             )
         self._log_token_metrics(mode, stats, inputs)
+        if want_sources:
+            self._add_source_losses(packed_loss.take_seq_losses(), source_ids, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _add_source_losses(self, seq_losses, source_ids, num_items_in_batch) -> None:
+        """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
+
+        ``seq_losses`` are ``coef_t * l_t`` and ``coef_t`` summed per sequence, with ``coef_t =
+        w_t / D``; times ``D`` (the step's ``num_items_in_batch``) they are the sequence's
+        weighted loss sum and weight, which add up across micro-batches and steps.
+        """
+        scale = 1.0 if num_items_in_batch is None else num_items_in_batch
+        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1) * scale
+        ids = source_ids.to(rows.device)
+        counted = ids >= 0
+        sums = rows.new_zeros(len(self._sources), 2)
+        sums.index_add_(0, ids.clamp(min=0), torch.where(counted[:, None], rows, 0.0).to(sums.dtype))
+        self._source_sums = sums if self._source_sums is None else self._source_sums + sums
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """trl's log, with ``loss/<source>`` of the window's conversations of each source."""
+        if self.model.training and self._sources and "loss" in logs:
+            sums = self._source_sums
+            if sums is None:
+                sums = torch.zeros(len(self._sources), 2, device=self.args.device)
+            sums = self.accelerator.gather_for_metrics(sums[None]).sum(0).tolist()
+            for source, (loss, weight) in zip(self._sources, sums):
+                if weight > 0:
+                    logs[f"loss/{source}"] = loss / weight
+            self._source_sums = None
+        super().log(logs, start_time)
 
     def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:
         """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``, gathered over processes."""
@@ -161,10 +253,37 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         metrics["num_tokens"] = [self._total_train_tokens]
 
 
-def _fusable(model) -> bool:
-    """Whether the fused linear cross entropy reproduces ``model``'s head exactly."""
-    try:
-        _check_fusable(model)
-    except ValueError:
-        return False
-    return True
+def _datasets(dataset) -> list:
+    """The data sets of a ``train_dataset`` / ``eval_dataset`` argument (a dict of them too)."""
+    if dataset is None:
+        return []
+    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
+
+
+def _refuse_inexact_options(args, compute_loss_func) -> None:
+    """Raises for a configuration whose step would not be the per-conversation mean."""
+    if args.loss_type != "nll":
+        raise ValueError(
+            f"PackedSFTTrainer: loss_type={args.loss_type!r} reweights each token by its own "
+            "probability, so the step is no per-conversation mean; use loss_type='nll'"
+        )
+    if args.label_smoothing_factor > 0:
+        raise ValueError(
+            "PackedSFTTrainer: label_smoothing_factor goes through the Trainer's label "
+            "smoother, a token mean; set it to 0 and call "
+            "apply_packed_loss(model, label_smoothing=...) before creating the trainer"
+        )
+    if compute_loss_func is not None:
+        raise ValueError("PackedSFTTrainer: compute_loss_func replaces the packed loss; leave it out")
+    if args.packing and args.packing_strategy == "wrapped":
+        raise ValueError(
+            "PackedSFTTrainer: packing_strategy='wrapped' cuts the concatenated conversations "
+            "into rows without regard to their boundaries, so no conversation can be averaged; "
+            "use packing_strategy='bfd' or 'bfd_split'"
+        )
+    parallelism = getattr(args, "parallelism_config", None)
+    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+        raise ValueError(
+            "PackedSFTTrainer does not support context or sequence parallelism "
+            "(parallelism_config): a conversation cut across ranks needs its whole target count"
+        )
