@@ -19,7 +19,7 @@ import torch
 
 from .chat import IGNORE_INDEX
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
-from .packing import WEIGHT_COLUMN
+from .packing import SOURCE_COLUMN, WEIGHT_COLUMN
 
 
 def _example(example, index: int, ignore_index: int):
@@ -56,6 +56,24 @@ def _example(example, index: int, ignore_index: int):
             raise ValueError(f"`{name}` is a packed row: give its weights per sequence in 'seq_weights'.")
         weights = np.array([conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]")])
     return input_ids, labels, lengths, targets, weights
+
+
+def _sources(example, index: int, count: int) -> list:
+    """The `count` sequences' sources of one example: `seq_sources` (per sequence, as `pack_dataset` writes
+    them) or a conversation's `source`; None for each where the example names none."""
+    name = f"examples[{index}]"
+    sources = example.get("seq_sources")
+    if sources is None:
+        source = example.get(SOURCE_COLUMN)
+        if source is not None and count != 1:
+            raise ValueError(f"`{name}` is a packed row: give its sources per sequence in 'seq_sources'.")
+        sources = [source] * count
+    elif len(sources) != count:
+        raise ValueError(f"`{name}['seq_sources']` must hold one source per sequence of `seq_lengths`.")
+    for source in sources:
+        if source is not None and not isinstance(source, str):
+            raise TypeError(f"`{name}` sources must be strings, got {type(source).__name__} {source!r}.")
+    return list(sources)
 
 
 def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
@@ -105,6 +123,9 @@ class PackedCollator:
       divides by 0.
     - `seq_weights` `(S,)` float32, only when the examples carry weights (`seq_weights` per sequence or
       `weight` per conversation): each sequence's conversation weight; 0 for the padding segment.
+    - `seq_sources` (list of `str` or None, aligned with `cu_seqlens`), only when some example names its
+      source (`seq_sources` per sequence or `source` per conversation): where each sequence comes from, for
+      a loss per source (the trainers log `loss/<source>`); None for the padding segment.
     - with `return_varlen_kwargs=True`, transformers' flash-attention keywords: `cu_seq_lens_q`,
       `cu_seq_lens_k` (the `cu_seqlens` tensor) and `max_length_q`, `max_length_k` (`max_seqlen`).
 
@@ -183,9 +204,9 @@ class PackedCollator:
         """Collate `examples` into one packed row.
 
         Each example is a dict with `input_ids` and optionally `labels` (missing: every token is trained),
-        `seq_lengths` (missing: the example is one sequence), `seq_targets` and `seq_weights` (per sequence, as
-        `pack_dataset` writes them) or `weight` (a single conversation's weight). Weights must be given for
-        every example of the batch or for none.
+        `seq_lengths` (missing: the example is one sequence), `seq_targets`, `seq_weights` and `seq_sources`
+        (per sequence, as `pack_dataset` writes them) or `weight` and `source` (a single conversation's).
+        Weights must be given for every example of the batch or for none.
         """
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
         if not parts:
@@ -203,6 +224,8 @@ class PackedCollator:
             labels, lengths, [(len(part[2]), part[3]) for part in parts], self.ignore_index
         )
         seq_weights = np.concatenate([part[4] for part in parts]) if all(weighted) else None
+        seq_sources = [s for index, (example, part) in enumerate(zip(examples, parts))
+                       for s in _sources(example, index, len(part[2]))]
         # Empty sequences have no token to carry a position or a boundary.
         nonempty = lengths > 0
         lengths, seq_targets = lengths[nonempty], seq_targets[nonempty]
@@ -236,6 +259,9 @@ class PackedCollator:
         if seq_weights is not None:
             seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
             batch["seq_weights"] = torch.from_numpy(seq_weights.astype(np.float32))
+        if any(source is not None for source in seq_sources):
+            kept = [source for source, keep in zip(seq_sources, nonempty) if keep]
+            batch["seq_sources"] = kept + [None] * bool(num_padding)
         if self.return_varlen_kwargs:
             batch.update(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
@@ -257,7 +283,8 @@ class PaddedCollator:
     - `num_sequences` (`int`): rows with at least one target;
     - `seq_targets` `(B,)` int32: each row's target count under the shift (or the example's `seq_targets`,
       for a piece of a split conversation), 1 for a row without targets (see `PackedCollator`);
-    - `seq_weights` `(B,)` float32, when the examples carry weights.
+    - `seq_weights` `(B,)` float32, when the examples carry weights;
+    - `seq_sources` (list of `str` or None), when some example names its `source`.
 
     Args:
         pad_token_id (`int`, *optional*, defaults to 0): padding token.
@@ -335,4 +362,7 @@ class PaddedCollator:
         }
         if all(weighted):
             batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]).astype(np.float32))
+        seq_sources = [s for index, example in enumerate(examples) for s in _sources(example, index, 1)]
+        if any(source is not None for source in seq_sources):
+            batch["seq_sources"] = seq_sources
         return batch

@@ -95,19 +95,25 @@ def has_target(conversation: dict) -> bool:
     return any(label != IGNORE for label in conversation["labels"][1:])
 
 
-def one_at_a_time(model, conversations: list[dict]) -> torch.Tensor:
+def one_at_a_time(model, conversations: list[dict], weights: list[float] | None = None) -> torch.Tensor:
     """The unpacked ground truth: transformers' loss of each conversation alone, averaged.
 
-    Conversations without a target are left out, as the per-sequence mean leaves them out.
+    With ``weights``, the weighted mean ``sum_c w_c mean_c / sum_c w_c``. Conversations without a
+    target (or of weight 0) are left out, as the per-sequence mean leaves them out.
     """
     device = next(model.parameters()).device
-    losses = []
-    for conversation in filter(has_target, conversations):
+    weights = [1.0] * len(conversations) if weights is None else weights
+    losses, kept = [], []
+    for conversation, weight in zip(conversations, weights):
+        if not has_target(conversation) or weight == 0:
+            continue
         input_ids = torch.tensor([conversation["input_ids"]], device=device)
         labels = torch.tensor([conversation["labels"]], device=device)
         logits = model(input_ids=input_ids, use_cache=False).logits
         losses.append(ForCausalLMLoss(logits, labels, logits.shape[-1]))
-    return torch.stack(losses).mean()
+        kept.append(weight)
+    kept = torch.tensor(kept, device=device)
+    return (torch.stack(losses) * kept).sum() / kept.sum()
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
@@ -229,10 +235,11 @@ def prepared_conversations(dataset) -> list[dict]:
     return [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
 
 
-def per_conversation_sgd_step(model, conversations: list[dict], lr: float = SFT_LR):
-    """One SGD step of unpacked per-conversation training; returns its loss, ``model`` stepped."""
+def per_conversation_sgd_step(model, conversations: list[dict], lr: float = SFT_LR, weights=None):
+    """One SGD step of unpacked per-conversation training (weighted by ``weights``); returns its
+    loss, ``model`` stepped."""
     model.zero_grad(set_to_none=True)
-    loss = one_at_a_time(model, conversations)
+    loss = one_at_a_time(model, conversations, weights)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():

@@ -14,7 +14,7 @@ On CPU the processes talk through gloo; the ``cuda`` tests run the same workers 
 GPUs. Workers are started with ``torch.multiprocessing.spawn`` and write their results to files.
 The trainers run with the Trainer's own SGD (``optim="sgd"``, constant rate), which FSDP2 can
 shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of pre-tokenized
-conversations.
+conversations with a ``weight`` column.
 """
 
 from __future__ import annotations
@@ -163,6 +163,10 @@ def full_parameters(model, sharded: bool = False) -> dict:
     }
 
 
+# per-conversation weights of the SFT data set (0 removes one): the step is their weighted mean
+SFT_WEIGHTS = [1.0, 2.0, 0.5, 0.0, 3.0, 1.0, 1.5, 1.0]
+
+
 def sft_conversations() -> list[dict]:
     return synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)
 
@@ -189,7 +193,9 @@ def sft_steps(backend: str, out_dir: str, **parallel) -> dict:
     trainer = PackedSFTTrainer(
         model=model,
         args=args,
-        train_dataset=Dataset.from_list(sft_conversations()),
+        train_dataset=Dataset.from_list(
+            [{**c, "weight": w} for c, w in zip(sft_conversations(), SFT_WEIGHTS)]
+        ),
         processing_class=tiny_tokenizer(VOCAB),
     )
     trainer.train()
@@ -304,9 +310,9 @@ def results(tmp_path_factory):
 
 
 def single_process_sft(device="cpu") -> dict:
-    """One SGD step of unpacked per-conversation training on the SFT data set."""
+    """One SGD step of unpacked per-conversation training on the SFT data set, weighted."""
     model = tiny_model("llama", VOCAB).to(device)
-    per_conversation_sgd_step(model, sft_conversations())
+    per_conversation_sgd_step(model, sft_conversations(), weights=SFT_WEIGHTS)
     return {name: p.detach().cpu() for name, p in model.named_parameters()}
 
 
@@ -333,7 +339,8 @@ def test_packed_trainer_matches_one_process(backend, results):
 
 @pytest.mark.parametrize("backend", TRAINER_BACKENDS)
 def test_packed_sft_trainer_matches_one_process(backend, results):
-    """PackedSFTTrainer, padding-free, gradient accumulation 2 on each of two processes."""
+    """PackedSFTTrainer, padding-free, gradient accumulation 2 on each of two processes, with a
+    ``weight`` column: the step minimises the weighted mean over all micro-batches and ranks."""
     pytest.importorskip("trl")
     device = "cpu" if backend == "gloo" else "cuda"
     initial = {

@@ -1,9 +1,9 @@
 """No silent wrong set-up: each way of running the packed loss on another objective is refused,
 and a packed batch stays exact whatever the model call.
 
-- a model with the packed loss under the stock ``Trainer`` (a token-count normaliser), under
-  trl's ``SFTTrainer`` (its fused head never calls the loss), and under a class mixing
-  ``PackedTrainer`` with ``SFTTrainer``: ValueError naming the trainer to use;
+- a model with the packed loss under the stock ``Trainer`` (a token-count normaliser) and under
+  trl's ``SFTTrainer`` (its fused head never calls the loss): ValueError naming the trainer to
+  use; a class mixing ``PackedTrainer`` with ``SFTTrainer`` trains the packed mean;
 - a packed batch with the model's default ``use_cache=True``, an explicit ``use_cache=True`` or
   an all-ones ``attention_mask``: the loss of every conversation alone (the same calls without
   the packed loss's pre-hook let conversations attend to each other, shown by the test);
@@ -68,14 +68,15 @@ def test_stock_trainer_with_the_packed_loss_is_refused(accumulation, tmp_path):
         trainer.train()
 
 
-def sft_trainer(trainer_class, model, tmp_path):
+def sft_trainer(trainer_class, model, tmp_path, batch_size=2):
     from datasets import Dataset
 
     from integration_utils import sft_args, sft_tokenizer
 
     return trainer_class(
         model=model,
-        args=sft_args(tmp_path, padding_free=True, max_length=None, per_device_train_batch_size=2),
+        args=sft_args(tmp_path, padding_free=True, max_length=None,
+                      per_device_train_batch_size=batch_size),
         train_dataset=Dataset.from_list(synthetic_conversations(LENGTHS, 3072, seed=5)),
         processing_class=sft_tokenizer(),
     )
@@ -89,17 +90,19 @@ def test_stock_sft_trainer_with_the_packed_loss_is_refused(tmp_path):
         trainer.train()
 
 
-def test_packed_trainer_mixed_with_sft_trainer_is_refused(tmp_path):
-    """The MRO runs SFTTrainer.compute_loss: trl's fused head, a token sum over conversations."""
+def test_packed_trainer_mixed_with_sft_trainer_trains_the_packed_mean(tmp_path):
+    """The MRO runs PackedTrainer.compute_loss: the packed loss, never trl's fused token mean."""
     trl = pytest.importorskip("trl")
 
     class Mixed(PackedTrainer, trl.SFTTrainer):
         pass
 
     model = apply_packed_loss(tiny_model("llama", 3072))
-    trainer = sft_trainer(Mixed, model, tmp_path)
-    with pytest.raises(ValueError, match="PackedSFTTrainer"):
-        trainer.train()
+    with torch.no_grad():
+        expected = one_at_a_time(tiny_model("llama", 3072), synthetic_conversations(LENGTHS, 3072, seed=5))
+    trainer = sft_trainer(Mixed, model, tmp_path, batch_size=len(LENGTHS))
+    trainer.train()
+    assert_loss_close(torch.tensor(trainer.state.log_history[0]["loss"]), expected)
 
 
 # How a packed batch can reach the model with attention across conversations.

@@ -25,12 +25,11 @@ from packed_ce.integrations import (  # noqa: E402
     packed_loss_of,
     tiny_causal_lm,
 )
-from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 
 from integration_utils import (  # noqa: E402
     IGNORE,
     flat_relative_error,
-    has_target,
+    one_at_a_time,
     parameter_updates,
     relative_error,
     sft_args,
@@ -45,17 +44,8 @@ LENGTHS = [20, 12, 18, 14, 25, 7, 16, 16]
 
 
 def weighted_reference(model, conversations, weights=None, extra=None):
-    """``sum_c w_c mean_c / sum_c w_c`` over conversations with a target (+ ``extra(model)``)."""
-    weights = weights or [1.0] * len(conversations)
-    total, mass = 0.0, 0.0
-    for conversation, weight in zip(conversations, weights):
-        if not has_target(conversation) or weight == 0:
-            continue
-        ids = torch.tensor([conversation["input_ids"]])
-        logits = model(input_ids=ids, use_cache=False).logits
-        total = total + weight * ForCausalLMLoss(logits, torch.tensor([conversation["labels"]]), VOCAB)
-        mass += weight
-    loss = total / mass
+    """The weighted per-conversation mean (:func:`one_at_a_time`), plus ``extra(model)``."""
+    loss = one_at_a_time(model, conversations, weights)
     return loss + extra(model) if extra is not None else loss
 
 

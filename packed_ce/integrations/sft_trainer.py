@@ -30,8 +30,8 @@ from ..stats import TokenStats
 from . import sft_data
 from .fused_forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
-from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
-from .trainer import PackedNormaliserMixin
+from .loss import TOKEN_STATS_KEY
+from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -90,13 +90,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         config = bound.get("args")
         if config is not None:
             _refuse_inexact_options(config, bound.get("compute_loss_func"))
-        self._sources = sorted(
-            {
-                source
-                for name in ("train_dataset", "eval_dataset")
-                for dataset in _datasets(bound.get(name))
-                for source in sft_data.check_columns(dataset, name)
-            }
+        for name in ("train_dataset", "eval_dataset"):
+            for dataset in _datasets(bound.get(name)):
+                sft_data.check_columns(dataset, name)
+        # the sources of the raw data (packing moves them to seq_sources)
+        self._sources = tuple(
+            sorted({s for name in ("train_dataset", "eval_dataset") for s in _sources_of(bound.get(name))})
         )
         self._own_assistant_labels = False
         if config is not None and config.assistant_only_loss:
@@ -113,22 +112,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         finally:
             if restore:
                 config.assistant_only_loss = True
-        _refuse_inexact_options(self.args, self.compute_loss_func)
         if packed_loss_of(self.model) is None:
             fused = fusable_reason(base_model(self.model)) is None
             apply_packed_loss(self.model, is_packed=True, fused_linear=fused)
         self._check_packed_setup()
-        self.data_collator = sft_data.SequenceColumns(
-            self.data_collator, self._sources, self.padding_free
-        )
-        # per-source sums over the logging window: [source, (loss, weight)], on the device
-        self._source_sums: torch.Tensor | None = None
+        self.data_collator = sft_data.SequenceColumns(self.data_collator, self.padding_free)
 
-    def _set_signature_columns_if_needed(self) -> None:
-        super()._set_signature_columns_if_needed()
-        for column in sft_data.ROW_COLUMNS:
-            if column not in self._signature_columns:
-                self._signature_columns.append(column)
+    def _router_loss(self) -> float:
+        """trl's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
+        return float(self.router_aux_loss_coef) if self.aux_loss_enabled else 0.0
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
         """trl's preparation, with this trainer's packing and, where needed, its labels.
@@ -159,43 +151,14 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         return sft_data.pack(unpacked, args.max_length, args.packing_strategy)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The packed loss of one micro-batch, normalised for the whole step; logs trl's metrics.
-
-        ``num_items_in_batch`` (the weight of the conversations with a target over the step's
-        micro-batches and all processes) reaches the loss through the model call; with
-        ``average_tokens_across_devices`` the loss is multiplied by the number of processes,
-        which cancels the data-parallel gradient averaging. A MoE router loss is added after
-        that, as trl adds it: ``coef * aux`` divided by the accumulation steps, averaged over
-        processes by the gradient all-reduce.
-        """
+        """The packed loss of one micro-batch, normalised for the whole step
+        (:meth:`PackedNormaliserMixin._packed_step`); logs trl's metrics from the same call."""
         mode = "train" if self.model.training else "eval"
         packed_loss = installation_of(self.model).loss
-        inputs = dict(inputs)
-        source_ids = inputs.pop(sft_data.SOURCE_IDS_KEY, None)
-        want_sources = source_ids is not None and mode == "train" and bool(self._sources)
-        call = {**inputs, "use_cache": False, TOKEN_STATS_KEY: True, SEQ_LOSSES_KEY: want_sources}
-        if num_items_in_batch is not None:
-            call["num_items_in_batch"] = num_items_in_batch
-        if self.aux_loss_enabled:
-            call["output_router_logits"] = True
         packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
-        packed_loss.take_seq_losses()
-        outputs = model(**call)
-        loss = outputs.loss
-        if self.aux_loss_enabled:
-            # the model's forward added its own coef * aux to the packed loss: take it out, and
-            # add trl's (its coefficient, divided by the micro-batches of the step)
-            aux = outputs.aux_loss.to(loss.device)
-            loss = loss - getattr(base_model(self.model), "router_aux_loss_coef", 0.0) * aux
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        if self.aux_loss_enabled:
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-            loss = loss + self.router_aux_loss_coef * aux / steps
-            self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather_for_metrics(aux.detach()[None]).mean().item()
-            )
-
+        loss, outputs = self._packed_step(
+            model, inputs, num_items_in_batch, **{TOKEN_STATS_KEY: True}
+        )
         stats = packed_loss.take_token_stats()
         if stats is None:
             raise RuntimeError(
@@ -203,37 +166,10 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
                 "loss function (model.loss_function): the step would not be the packed mean"
             )
         self._log_token_metrics(mode, stats, inputs)
-        if want_sources:
-            self._add_source_losses(packed_loss.take_seq_losses(), source_ids, num_items_in_batch)
+        if self.aux_loss_enabled:
+            aux = outputs.aux_loss.detach()[None]
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
         return (loss, outputs) if return_outputs else loss
-
-    def _add_source_losses(self, seq_losses, source_ids, num_items_in_batch) -> None:
-        """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
-
-        ``seq_losses`` are ``coef_t * l_t`` and ``coef_t`` summed per sequence, with ``coef_t =
-        w_t / D``; times ``D`` (the step's ``num_items_in_batch``) they are the sequence's
-        weighted loss sum and weight, which add up across micro-batches and steps.
-        """
-        scale = 1.0 if num_items_in_batch is None else num_items_in_batch
-        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1) * scale
-        ids = source_ids.to(rows.device)
-        counted = ids >= 0
-        sums = rows.new_zeros(len(self._sources), 2)
-        sums.index_add_(0, ids.clamp(min=0), torch.where(counted[:, None], rows, 0.0).to(sums.dtype))
-        self._source_sums = sums if self._source_sums is None else self._source_sums + sums
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """trl's log, with ``loss/<source>`` of the window's conversations of each source."""
-        if self.model.training and self._sources and "loss" in logs:
-            sums = self._source_sums
-            if sums is None:
-                sums = torch.zeros(len(self._sources), 2, device=self.args.device)
-            sums = self.accelerator.gather_for_metrics(sums[None]).sum(0).tolist()
-            for source, (loss, weight) in zip(self._sources, sums):
-                if weight > 0:
-                    logs[f"loss/{source}"] = loss / weight
-            self._source_sums = None
-        super().log(logs, start_time)
 
     def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:
         """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``, gathered over processes."""
@@ -267,14 +203,7 @@ def _refuse_inexact_options(args, compute_loss_func) -> None:
             f"PackedSFTTrainer: loss_type={args.loss_type!r} reweights each token by its own "
             "probability, so the step is no per-conversation mean; use loss_type='nll'"
         )
-    if args.label_smoothing_factor > 0:
-        raise ValueError(
-            "PackedSFTTrainer: label_smoothing_factor goes through the Trainer's label "
-            "smoother, a token mean; set it to 0 and call "
-            "apply_packed_loss(model, label_smoothing=...) before creating the trainer"
-        )
-    if compute_loss_func is not None:
-        raise ValueError("PackedSFTTrainer: compute_loss_func replaces the packed loss; leave it out")
+    refuse_token_mean_options("PackedSFTTrainer", args, compute_loss_func)
     if args.packing and args.packing_strategy == "wrapped":
         raise ValueError(
             "PackedSFTTrainer: packing_strategy='wrapped' cuts the concatenated conversations "

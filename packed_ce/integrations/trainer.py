@@ -24,7 +24,15 @@ from transformers import Trainer, TrainerCallback
 
 from ..validation import check_pending
 from .batch import count_num_items
-from .installation import packed_loss_of
+from .installation import base_model, installation_of, packed_loss_of
+from .loss import SEQ_LOSSES_KEY
+
+# The batch key of each sequence's data source (collators.PackedCollator, PackedSFTTrainer's
+# collator): a list of str or None, aligned with the batch's cu_seqlens.
+SOURCES_KEY = "seq_sources"
+# Data set columns the trainers keep for the collator: a packed row's boundaries, and each
+# conversation's (or piece's) target count, weight and source.
+ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, "weight", "source")
 
 
 class CheckPendingValues(TrainerCallback):
@@ -48,14 +56,22 @@ class PackedNormaliserMixin:
       ``is_packed=True``; the number of targets with ``is_packed=False``) over all micro-batches
       of the optimiser step and all processes;
     - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``
-      (without it a packed row would be collated as one sequence), and so are ``seq_targets`` and
-      ``seq_weights`` (a split or weighted conversation keeps its weight);
+      (without it a packed row would be collated as one sequence), and so are ``seq_targets``,
+      ``seq_weights`` / ``weight`` (a split or weighted conversation keeps its weight) and
+      ``seq_sources`` / ``source``;
+    - with sources, ``loss/<source>`` is logged beside ``loss``: over the logging window, the
+      weighted mean of the mean token loss of that source's conversations, from the loss's own
+      pass (:class:`packed_ce.SequenceLosses`), gathered over processes at logging time only;
+    - a MoE model's router loss ``coef * aux`` is added once per micro-batch divided by the
+      accumulation steps (as trl adds it), not multiplied by the number of processes;
     - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
     - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
       trainer may call a model with the packed loss: any other ``Trainer`` is refused.
     """
 
     counts_packed_items = True
+    _sources: tuple[str, ...] = ()
+    _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
 
     def _check_packed_setup(self) -> None:
         """Raises for a model or a set-up with which the step would not be the packed mean."""
@@ -81,14 +97,94 @@ class PackedNormaliserMixin:
                 "processes, which cancels the data-parallel gradient averaging of a loss "
                 "normalised over all processes"
             )
+        refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
         self.add_callback(CheckPendingValues)
+        if not self._sources:
+            self._sources = tuple(
+                sorted({s for d in (self.train_dataset, self.eval_dataset) for s in _sources_of(d)})
+            )
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
-        # the collator's inputs: the packed row's boundaries and each conversation's weight
-        for column in ("seq_lengths", "seq_targets", "seq_weights"):
+        for column in ROW_COLUMNS:  # the collator's inputs
             if column not in self._signature_columns:
                 self._signature_columns.append(column)
+
+    def _router_loss(self) -> float:
+        """The coefficient of a MoE router's auxiliary loss, 0.0 when there is none."""
+        config = base_model(self.model).config
+        if not getattr(config, "output_router_logits", False):
+            return 0.0
+        return float(getattr(config, "router_aux_loss_coef", 0.0))
+
+    def _packed_step(self, model, inputs, num_items_in_batch, **keywords):
+        """The model call of one micro-batch and its loss, normalised for the whole step.
+
+        ``num_items_in_batch`` (the weight of the conversations with a target over the step's
+        micro-batches and all processes) reaches the loss through the model call; with
+        ``average_tokens_across_devices`` the loss is multiplied by the number of processes,
+        which cancels the data-parallel gradient averaging. A MoE model's forward adds its own
+        ``coef * aux`` to the loss: it is taken out, and ``coef * aux`` divided by the
+        accumulation steps is added after that multiplication (trl's way: the mean over the
+        step's micro-batches, averaged over processes by the gradient all-reduce).
+
+        Returns:
+            ``(loss, outputs)``.
+        """
+        inputs = dict(inputs)
+        sources = inputs.pop(SOURCES_KEY, None)
+        want_sources = sources is not None and model.training and bool(self._sources)
+        call = {**inputs, "use_cache": False, **keywords}
+        if want_sources:
+            call[SEQ_LOSSES_KEY] = True
+        if num_items_in_batch is not None:
+            call["num_items_in_batch"] = num_items_in_batch
+        coef = self._router_loss()
+        if coef:
+            call["output_router_logits"] = True
+        packed_loss = installation_of(self.model).loss
+        packed_loss.take_seq_losses()  # never read an earlier call's as this one's
+        outputs = model(**call)
+        loss = outputs.loss
+        if coef:
+            aux = outputs.aux_loss.to(loss.device)
+            loss = loss - getattr(base_model(self.model), "router_aux_loss_coef", 0.0) * aux
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if coef:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + coef * aux / steps
+        if want_sources:
+            self._add_source_losses(packed_loss.take_seq_losses(), sources, num_items_in_batch)
+        return loss, outputs
+
+    def _add_source_losses(self, seq_losses, sources: list, num_items_in_batch) -> None:
+        """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
+
+        ``seq_losses`` are ``coef_t * l_t`` and ``coef_t`` summed per sequence, with ``coef_t =
+        w_t / D``; times ``D`` (the step's ``num_items_in_batch``) they are the sequence's
+        weighted loss sum and weight, which add up over micro-batches and steps.
+        """
+        index = {name: i for i, name in enumerate(self._sources)}
+        ids = torch.tensor([index.get(s, -1) for s in sources], device=seq_losses.loss.device)
+        scale = 1.0 if num_items_in_batch is None else num_items_in_batch
+        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)] * scale
+        rows = torch.where((ids >= 0)[:, None], rows, 0.0).to(torch.float64)
+        sums = rows.new_zeros(len(self._sources), 2).index_add_(0, ids.clamp(min=0), rows)
+        self._source_sums = sums if self._source_sums is None else self._source_sums + sums
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """The Trainer's log, with ``loss/<source>`` of the window's conversations per source."""
+        if self._sources and "loss" in logs and self.model.training:
+            sums = self._source_sums
+            if sums is None:
+                sums = torch.zeros(len(self._sources), 2, dtype=torch.float64, device=self.args.device)
+            sums = self.accelerator.gather_for_metrics(sums[None]).sum(0).tolist()
+            for source, (loss, weight) in zip(self._sources, sums):
+                if weight > 0:
+                    logs[f"loss/{source}"] = loss / weight
+            self._source_sums = None
+        super().log(logs, *args, **kwargs)
 
     def _get_num_items_in_batch(
         self, batch_samples: list, device: torch.device
@@ -144,3 +240,34 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._check_packed_setup()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The packed loss of one micro-batch, normalised for the whole step (:meth:`_packed_step`)."""
+        loss, outputs = self._packed_step(model, inputs, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+
+def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:
+    """Raises for the Trainer options that replace the packed loss by a token mean."""
+    if args.label_smoothing_factor > 0:
+        raise ValueError(
+            f"{trainer}: label_smoothing_factor goes through the Trainer's label smoother, a "
+            "token mean; set it to 0 and call apply_packed_loss(model, label_smoothing=...) "
+            "before creating the trainer"
+        )
+    if compute_loss_func is not None:
+        raise ValueError(f"{trainer}: compute_loss_func replaces the packed loss; leave it out")
+
+
+def _sources_of(dataset) -> set[str]:
+    """The source names in a data set's ``source`` / ``seq_sources`` column (a ``datasets.Dataset``
+    or a dict of them); none for other data."""
+    if isinstance(dataset, dict):
+        return set().union(*(_sources_of(d) for d in dataset.values()))
+    columns = getattr(dataset, "column_names", None) or []
+    names = set()
+    if "source" in columns:
+        names.update(s for s in dataset["source"] if isinstance(s, str))
+    if SOURCES_KEY in columns:
+        names.update(s for row in dataset[SOURCES_KEY] for s in row if isinstance(s, str))
+    return names
