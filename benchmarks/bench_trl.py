@@ -205,7 +205,8 @@ class _Measured:
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.reference is None and self.want_reference:
-            self.reference = reference_losses(self.model, inputs)
+            with self.accelerator.autocast():  # the step's mixed precision (bf16 on CUDA)
+                self.reference = reference_losses(self.model, inputs)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()  # the reference's logits are no step's
         loss = super().training_step(model, inputs, num_items_in_batch)
