@@ -1,4 +1,4 @@
-"""Whole trl steps: ``PackedSFTTrainer`` against trl's ``SFTTrainer``, and the longest row that fits.
+"""Whole trl steps: ``PackedSFTTrainer`` against trl's ``SFTTrainer``; the longest row that fits.
 
 Four runs, each a trl ``train()`` on the same data from the same initial weights:
 
@@ -68,8 +68,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
-import os
 import statistics
 import subprocess
 import sys
@@ -114,7 +112,8 @@ MODELS = {
     "8b": dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
-        max_position_embeddings=8192, rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+        max_position_embeddings=8192,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
     ),
 }  # fmt: skip
 # The data of each model size: bench_training's shapes (the tiny one scaled down by 16).
@@ -123,10 +122,13 @@ CHATS = {
     "1b": (ChatShape(), 4096),
     "8b": (ChatShape(), 4096),
 }
-LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+LORA = dict(
+    r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+)
 # Kernels and ops of packed-ce's own path, by name, in a profile.
 OWN_NAMES = ("_cross_entropy_kernel", "_targets", "packed_ce")
 HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+SCALAR_READ = "aten::_local_scalar_dense"
 # A probe that leaves more than this allocated after its clean-up ends its process.
 LEFTOVER_BYTES = 256 * harness.MiB
 
@@ -399,16 +401,24 @@ class StepClock:
         self.profiler.stop()
 
 
-def _origin(stack: list[str]) -> str:
-    """The package whose code caused an op: the innermost frame outside torch."""
-    for frame in stack:
-        for name in ("packed_ce", "trl", "transformers", "accelerate", "peft", "liger_kernel"):
-            if f"/{name}/" in frame:
-                return name
-        if "bench_trl" in frame:
-            return "bench_trl (profiler)"
-        if "/torch/" not in frame and "built-in" not in frame:
+ORIGINS = ("packed_ce", "trl", "transformers", "accelerate", "peft", "liger_kernel")
+
+
+def _origin(event) -> str:
+    """The package whose code made ``event``: the innermost Python frame above it outside torch
+    (with ``with_stack`` the profiler records frames as events named ``path(line): function``,
+    the path relative to its ``sys.path`` entry, e.g. ``packed_ce/fused_linear.py(80): ...``)."""
+    node = event.cpu_parent
+    while node is not None:
+        name = node.name
+        if ".py(" in name and not name.startswith("torch/"):
+            package = name.split("/", 1)[0] if "/" in name.split("(", 1)[0] else None
+            if package in ORIGINS:
+                return package
+            if name.startswith("bench_trl.py("):
+                return "bench_trl (the profiler's own wait)"
             return "other"
+        node = node.cpu_parent
     return "unknown"
 
 
@@ -427,14 +437,15 @@ def profile_summary(profiler, wall_seconds: float, device: torch.device) -> dict
     ops_us = sum(
         e.device_time_total for e in averages if e.key.startswith("packed_ce::") and on_device
     )
+    # host waits (the runtime's synchronize calls) and reads of a device value (.item(),
+    # bool(), float(): each one waits), by the package whose code made them
     waits: dict[str, int] = {}
+    reads: dict[str, int] = {}
     for event in profiler.events():
-        if event.name in HOST_WAITS:
-            node = event
-            while node is not None and not node.stack:
-                node = node.cpu_parent
-            origin = _origin(node.stack if node is not None else [])
-            waits[origin] = waits.get(origin, 0) + 1
+        counts = waits if event.name in HOST_WAITS else reads if event.name == SCALAR_READ else None
+        if counts is not None:
+            origin = _origin(event)
+            counts[origin] = counts.get(origin, 0) + 1
     sort = "self_device_time_total" if on_device else "self_cpu_time_total"
     return {
         "wall_ms": wall_seconds * 1e3,
@@ -444,6 +455,7 @@ def profile_summary(profiler, wall_seconds: float, device: torch.device) -> dict
         "own_share_of_device_time": own_us / device_us if device_us else None,
         "packed_ce_ops_inclusive_ms": ops_us / 1e3,
         "host_waits_by_origin": waits,
+        "scalar_reads_by_origin": reads,
         "table": averages.table(sort_by=sort, row_limit=40, max_name_column_width=70),
     }
 
@@ -583,8 +595,9 @@ def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int
         log(f"{job.model} {job.run}: probing rows of {length} tokens ...")
         outcome = probe(dataclasses.replace(job, row_length=length))
         state["probes"].append(outcome)
+        error = f", {outcome['error']}" if "error" in outcome else ""
         log(f"{job.model} {job.run}: {length} tokens: {outcome['status']} "
-            f"({outcome['seconds']:.0f} s{', ' + outcome.get('error', '') if 'error' in outcome else ''})")  # fmt: skip
+            f"({outcome['seconds']:.0f} s{error})")  # fmt: skip
         if outcome.get("left_allocated_bytes", 0) > LEFTOVER_BYTES:
             state["fresh_process"] = True
             return state
@@ -688,32 +701,28 @@ def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) ->
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--longest", action="store_true", help="the longest-row search")
-    parser.add_argument(
-        "--model", nargs="+", choices=tuple(MODELS),
-        help="model shapes (default: 1b; --longest: 1b 8b)",
-    )  # fmt: skip
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS))
-    parser.add_argument("--attention", choices=("sdpa", "flex_attention"), default="sdpa")
-    parser.add_argument("--row-length", type=int, help="tokens per packed row (default 8192; tiny 256); --longest: the first probe")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, reported apart")
-    parser.add_argument("--max-steps", type=int, default=20, help="steady steps per run")
-    parser.add_argument("--gradient-checkpointing", action="store_true",
-                        help="throughput runs with gradient checkpointing (--longest: always)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true", help="profile one more steady step")
-    parser.add_argument("--skip-lora", action="store_true", help="--longest: leave out the 8b LoRA searches")  # fmt: skip
-    parser.add_argument("--probe-steps", type=int, default=2, help="--longest: steps per probe")
-    parser.add_argument("--max-probes", type=int, default=6, help="--longest: probes per search")
-    parser.add_argument("--max-row", type=int, default=1 << 20, help="--longest: longest row probed")  # fmt: skip
-    parser.add_argument("--resolution", type=float, default=0.125,
-                        help="--longest: stop when the gap is at most this share of the longest that fits")  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=480.0,
-                        help="no run, search or probe starts after this many seconds")  # fmt: skip
-    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction,
-                        help="each run or search in a subprocess (default: on CUDA)")  # fmt: skip
-    parser.add_argument("--out", type=Path, help="output folder (default: a temporary one)")
+    add = parser.add_argument
+    add("--worker", type=Path, help=argparse.SUPPRESS)
+    add("--longest", action="store_true", help="the longest-row search")
+    add("--model", nargs="+", choices=tuple(MODELS), help="default: 1b; --longest: 1b 8b")
+    add("--device", choices=("cuda", "cpu"), default="cuda")
+    add("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS))
+    add("--attention", choices=("sdpa", "flex_attention"), default="sdpa")
+    add("--row-length", type=int, help="tokens per row (8192, tiny 256); --longest: the first")
+    add("--warmup", type=int, default=3, help="warm-up steps per run, reported apart")
+    add("--max-steps", type=int, default=20, help="steady steps per run")
+    add("--gradient-checkpointing", action="store_true", help="on in the throughput runs too")
+    add("--profile", action="store_true", help="profile one more step after the steady ones")
+    add("--skip-lora", action="store_true", help="--longest: leave out the 8b LoRA searches")
+    add("--probe-steps", type=int, default=2, help="--longest: steps per probe")
+    add("--max-probes", type=int, default=6, help="--longest: probes per search")
+    add("--max-row", type=int, default=1 << 20, help="--longest: the longest row probed")
+    add("--resolution", type=float, default=0.125,
+        help="--longest: stop at a gap of at most this share of the longest that fits")  # fmt: skip
+    add("--seconds", type=float, default=480.0, help="no run, search or probe starts later")
+    add("--isolate", action=argparse.BooleanOptionalAction,
+        help="each run or search in a process of its own (default: on CUDA)")  # fmt: skip
+    add("--out", type=Path, help="output folder (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
@@ -773,8 +782,9 @@ def main(argv=None) -> int:
     slug = harness.device_slug(env)
     out = args.out or Path(tempfile.gettempdir()) / "packed_ce_bench"
     jobs = make_jobs(args)
-    log(f"{env['device_name']}, torch {torch.__version__}: {len(jobs)} "
-        f"{'searches' if args.longest else 'runs'}, {'in subprocesses' if args.isolate else 'in this process'}")  # fmt: skip
+    where = "in subprocesses" if args.isolate else "in this process"
+    what = "searches" if args.longest else "runs"
+    log(f"{env['device_name']}, torch {torch.__version__}: {len(jobs)} {what}, {where}")
     benchmark = "trl_longest" if args.longest else "trl_steps"
     body = (run_longest if args.longest else run_throughput)(args, jobs, deadline, out, slug)
     result = {
