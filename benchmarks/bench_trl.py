@@ -405,14 +405,17 @@ ORIGINS = ("packed_ce", "trl", "transformers", "accelerate", "peft", "liger_kern
 
 
 def _origin(event) -> str:
-    """The package whose code made ``event``: the innermost Python frame above it outside torch
-    (with ``with_stack`` the profiler records frames as events named ``path(line): function``,
-    the path relative to its ``sys.path`` entry, e.g. ``packed_ce/fused_linear.py(80): ...``)."""
+    """The package whose code made ``event`` (for packed_ce, the frame itself): the innermost
+    Python frame above it outside torch (with ``with_stack`` the profiler records frames as
+    events named ``path(line): function``, the path relative to its ``sys.path`` entry, e.g.
+    ``packed_ce/fused_linear.py(80): fused_linear_cross_entropy``)."""
     node = event.cpu_parent
     while node is not None:
         name = node.name
         if ".py(" in name and not name.startswith("torch/"):
             package = name.split("/", 1)[0] if "/" in name.split("(", 1)[0] else None
+            if package == "packed_ce":  # which part: the loss, or the trainer's metrics
+                return name
             if package in ORIGINS:
                 return package
             if name.startswith("bench_trl.py("):
@@ -628,6 +631,8 @@ def worker(task: dict) -> dict:
     if job.device == "cpu":
         torch.set_num_threads(1)  # tiny matrices: threads only spin
     try:
+        if task["kind"] == "environment":
+            return harness.environment(torch.device(job.device), DISTRIBUTIONS)
         if task["kind"] == "throughput":
             return throughput_run(job)
         return search(
@@ -777,11 +782,16 @@ def main(argv=None) -> int:
 
     start = time.time()
     deadline = start + args.seconds
-    device = torch.device(args.device)
-    env = harness.environment(device, DISTRIBUTIONS)
-    slug = harness.device_slug(env)
     out = args.out or Path(tempfile.gettempdir()) / "packed_ce_bench"
     jobs = make_jobs(args)
+    if not jobs:
+        sys.exit("bench_trl: nothing to run (--skip-lora leaves no 8b search)")
+    # read in a worker when the runs have theirs: a CUDA context here would hold memory that
+    # the runs and probes then lack
+    env = run_worker({"kind": "environment", "job": dataclasses.asdict(jobs[0])}, args.isolate)
+    if "error" in env:
+        sys.exit(f"bench_trl: {env['error']}")
+    slug = harness.device_slug(env)
     where = "in subprocesses" if args.isolate else "in this process"
     what = "searches" if args.longest else "runs"
     log(f"{env['device_name']}, torch {torch.__version__}: {len(jobs)} {what}, {where}")

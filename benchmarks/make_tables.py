@@ -599,14 +599,18 @@ def trl_steps_report(result: dict) -> str:
         if not profile:
             continue
         share = profile["own_share_of_device_time"]
-        waits = ", ".join(f"{k} {v}" for k, v in sorted(profile["host_waits_by_origin"].items()))
+        waits, reads = (
+            ", ".join(f"{k} {v}" for k, v in sorted(profile[key].items())) or "none"
+            for key in ("host_waits_by_origin", "scalar_reads_by_origin")
+        )
         lines.append(
             f"- {name}, one profiled step: packed-ce's own kernels {profile['own_ms']:.2f} ms"
             + (f" = {share:.2%} of the step's device time" if share is not None else "")
             + f" ({profile['device_ms']:.1f} ms of kernels; wall {profile['wall_ms']:.1f} ms "
             f"under the profiler); packed_ce ops with what runs under them (GEMMs of the fused "
-            f"path included) {profile['packed_ce_ops_inclusive_ms']:.2f} ms; host waits by "
-            f"origin: {waits or 'none'}"
+            f"path included) {profile['packed_ce_ops_inclusive_ms']:.2f} ms; host waits "
+            f"(synchronize calls) by the package that made them: {waits}; reads of a device "
+            f"value (.item() and the like): {reads}"
         )
     for name, reason in result.get("skipped_runs", {}).items():
         lines.append(f"- {name}: {reason}")
