@@ -425,21 +425,54 @@ def _origin(event) -> str:
     return "unknown"
 
 
+def _packed_ce_names() -> tuple[set[str], set[str]]:
+    """The Triton kernels (``*_kernel``) and autograd Functions packed_ce's loaded modules
+    define: a profile names kernels and backward nodes after them."""
+    from triton.runtime.jit import KernelInterface
+
+    kernels, functions = set(), set()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "packed_ce" or module is None:
+            continue
+        for attribute, value in vars(module).items():
+            if isinstance(value, KernelInterface) and attribute.endswith("_kernel"):
+                kernels.add(attribute)
+            elif isinstance(value, type) and issubclass(value, torch.autograd.Function):
+                if value.__module__.startswith("packed_ce"):
+                    functions.add(value.__name__)
+    return kernels, functions
+
+
 def profile_summary(profiler, wall_seconds: float, device: torch.device) -> dict:
     """The profiled step's table (by self device time on CUDA, self CPU time off it), the share
-    of packed-ce's own kernels in the step's device time, and its host waits by origin."""
+    of packed-ce's own kernels in the step's device time, the device time of packed_ce's whole
+    path, and the step's host waits by origin."""
     from torch.autograd import DeviceType
 
     averages = profiler.key_averages()
     on_device = device.type == "cuda"
     kernels = [e for e in averages if on_device and e.device_type != DeviceType.CPU]
     device_us = sum(e.self_device_time_total for e in kernels)
-    own = [e for e in kernels if any(name in e.key for name in OWN_NAMES)]
+    # the issue's names, and every Triton kernel of packed_ce (the row scaling, the value checks
+    # and the normaliser too)
+    own_kernels, functions = _packed_ce_names()
+    names = (*OWN_NAMES, *sorted(own_kernels))
+    own = [e for e in kernels if any(name in e.key for name in names)]
     own_us = sum(e.self_device_time_total for e in own)
-    # packed_ce's custom ops with what runs under them (the fused path's GEMMs included)
-    ops_us = sum(
-        e.device_time_total for e in averages if e.key.startswith("packed_ce::") and on_device
-    )
+    # packed_ce's whole path with the PyTorch kernels and GEMMs it launches: its outermost
+    # Python frames (the forward) and its autograd nodes (the backward, on autograd's thread)
+    path_us = 0.0
+    for event in profiler.events() if on_device else ():
+        if event.name.startswith("packed_ce/"):
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("packed_ce/"):
+                parent = parent.cpu_parent
+            if parent is None:  # outermost
+                path_us += event.device_time_total
+        elif event.name.startswith("autograd::engine::evaluate_function: ") and any(
+            event.name.endswith(f"{function}Backward") for function in functions
+        ):
+            path_us += event.device_time_total
     # host waits (the runtime's synchronize calls) and reads of a device value (.item(),
     # bool(), float(): each one waits), by the package whose code made them
     waits: dict[str, int] = {}
@@ -453,10 +486,11 @@ def profile_summary(profiler, wall_seconds: float, device: torch.device) -> dict
     return {
         "wall_ms": wall_seconds * 1e3,
         "device_ms": device_us / 1e3,
+        "own_names": names,
         "own_kernels": {e.key: e.self_device_time_total / 1e3 for e in own},
         "own_ms": own_us / 1e3,
         "own_share_of_device_time": own_us / device_us if device_us else None,
-        "packed_ce_ops_inclusive_ms": ops_us / 1e3,
+        "packed_ce_path_ms": path_us / 1e3,
         "host_waits_by_origin": waits,
         "scalar_reads_by_origin": reads,
         "table": averages.table(sort_by=sort, row_limit=40, max_name_column_width=70),

@@ -607,8 +607,8 @@ def trl_steps_report(result: dict) -> str:
             f"- {name}, one profiled step: packed-ce's own kernels {profile['own_ms']:.2f} ms"
             + (f" = {share:.2%} of the step's device time" if share is not None else "")
             + f" ({profile['device_ms']:.1f} ms of kernels; wall {profile['wall_ms']:.1f} ms "
-            f"under the profiler); packed_ce ops with what runs under them (GEMMs of the fused "
-            f"path included) {profile['packed_ce_ops_inclusive_ms']:.2f} ms; host waits "
+            f"under the profiler); packed_ce's whole path, with the PyTorch kernels and GEMMs "
+            f"it launches, {profile['packed_ce_path_ms']:.2f} ms; host waits "
             f"(synchronize calls) by the package that made them: {waits}; reads of a device "
             f"value (.item() and the like): {reads}"
         )
