@@ -8,7 +8,9 @@ Four runs, each a trl ``train()`` on the same data from the same initial weights
   token mean);
 - ``packed_liger``, ``stock_liger``: the same with ``use_liger_kernel=True``: Liger-Kernel's
   RMSNorm, SwiGLU and RoPE kernels (trl 1.16 turns Liger's fused linear cross entropy off and
-  keeps its own LM head, so the loss path of each trainer is unchanged).
+  keeps its own LM head, so the loss path of each trainer is unchanged);
+- ``packed_all_rows`` (only when named in ``--runs``): ``packed`` with every row through the
+  fused path's GEMMs (``drop_ignored_rows=False``: no host sync in the loss).
 
 Every run: a Llama-shaped model built from its config (random init, bf16 on CUDA), trl's
 ``packing=True`` (``packing_strategy="bfd"``) and ``padding_free=True``, one packed row per step
@@ -92,7 +94,11 @@ RUNS = {
     "stock": "trl SFTTrainer (stock nll: token mean, trl's chunked LM head)",
     "packed_liger": "PackedSFTTrainer, use_liger_kernel=True",
     "stock_liger": "trl SFTTrainer, use_liger_kernel=True",
+    # not run by default: what the fused loss's one host sync (counting the rows with a target,
+    # to leave the others out of the GEMMs) buys or costs inside a whole step
+    "packed_all_rows": "PackedSFTTrainer, every row through the GEMMs (drop_ignored_rows=False)",
 }
+DEFAULT_RUNS = ("packed", "stock", "packed_liger", "stock_liger")
 # Llama-3.2-1B and Llama-3-8B shapes; "tiny" runs on a CPU in seconds.
 MODELS = {
     "tiny": dict(
@@ -259,11 +265,18 @@ def make_trainer(job: Job, output_dir: str, *, reference: bool = False, callback
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(**LORA)
+    model = build_model(job.model, job.attention, device)
+    if job.run == "packed_all_rows":
+        from packed_ce.integrations import apply_packed_loss
+
+        apply_packed_loss(
+            model, fused_linear=True, fused_linear_options={"drop_ignored_rows": False}
+        )
     base = PackedSFTTrainer if job.run.startswith("packed") else SFTTrainer
     measured = type(f"Measured{base.__name__}", (_Measured, base), {})
     measured.want_reference = reference
     trainer = measured(
-        model=build_model(job.model, job.attention, device),
+        model=model,
         args=args,
         train_dataset=dataset,
         processing_class=make_tokenizer(),
@@ -745,7 +758,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--longest", action="store_true", help="the longest-row search")
     add("--model", nargs="+", choices=tuple(MODELS), help="default: 1b; --longest: 1b 8b")
     add("--device", choices=("cuda", "cpu"), default="cuda")
-    add("--runs", nargs="+", choices=tuple(RUNS), default=list(RUNS))
+    add("--runs", nargs="+", choices=tuple(RUNS), default=list(DEFAULT_RUNS))
     add("--attention", choices=("sdpa", "flex_attention"), default="sdpa")
     add("--row-length", type=int, help="tokens per row (8192, tiny 256); --longest: the first")
     add("--warmup", type=int, default=3, help="warm-up steps per run, reported apart")

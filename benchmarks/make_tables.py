@@ -565,7 +565,7 @@ def trl_steps_report(result: dict) -> str:
         if "error" in run:
             lines.append(f"| {RUN_LABELS.get(name, name)} | {run['error']} |" + " |" * 7)
             continue
-        peer = done.get(name.replace("packed", "stock"))
+        peer = done.get("stock_liger" if name.endswith("_liger") else "stock")
         speed = "-"
         if peer and run.get("tokens_per_second") and peer.get("tokens_per_second"):
             speed = f"{run['tokens_per_second'] / peer['tokens_per_second']:.3f}x"
@@ -641,7 +641,9 @@ def trl_longest_report(result: dict) -> str:
     ]
     searches = result["searches"]
     for key, found in searches.items():
-        peer = searches.get(key.replace("packed", "stock"), {})
+        peer = searches.get(
+            f"{found['model']}_stock{'_liger' if key.endswith('_liger') else ''}", {}
+        )
         speed = "-"
         if found["longest_fits"] and peer.get("longest_fits"):
             speed = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
