@@ -43,13 +43,19 @@ Two measurements (one shell call each on a GPU):
   leaves it out). Each probe builds the model and the trainer, trains, and catches
   ``torch.OutOfMemoryError``; rows are padded to the probed length. Lengths double from
   ``--row-length`` until one fails, then bisect until the gap is below ``--resolution`` of the
-  longest that fits, at most ``--max-probes`` probes per search.
+  longest that fits, at most ``--max-probes`` probes per search. Attention: flex attention on
+  CUDA unless ``--attention sdpa``: sdpa's dense ``(T, T)`` mask (and the additive copy sdpa
+  makes of it) grows with the square of the row and would bound every trainer alike, and its
+  dense attention makes a probe of 100k tokens take minutes; flex attention compiles at the
+  first length and once more, for any length, at the second (torch.compile's automatic
+  dynamic shapes), in each process.
 
-Each run (throughput) and each search (longest) runs in a subprocess of its own on CUDA: Liger
-patches transformers' Llama module for the whole process, and every run then starts with an
-empty allocator. A search's probes share one process while the memory comes back after each
-(checked); if it does not, the search goes on in a fresh one. No run, search or probe starts
-after ``--seconds``; what was left out is said in the results.
+Each throughput run runs in a subprocess of its own on CUDA: Liger patches transformers' Llama
+module for the whole process, and every run then starts with an empty allocator. The searches
+share one subprocess (Liger's last), so that flex attention compiles once: the probes follow
+one another while the memory comes back after each (checked); where it does not, or the process
+dies, a fresh one goes on. No run, search or probe starts after ``--seconds`` (a search: after
+its share of it); what was left out is said in the results.
 
 On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft installed)::
 
@@ -233,7 +239,9 @@ class _CountingCollator:
         return self.collator(examples)
 
 
-def make_trainer(job: Job, output_dir: str, *, reference: bool = False, callbacks=()):
+def make_trainer(
+    job: Job, output_dir: str, *, rows: int, reference: bool = False, callbacks=()
+):
     from trl import SFTConfig, SFTTrainer
 
     from packed_ce.integrations import PackedSFTTrainer
@@ -258,8 +266,7 @@ def make_trainer(job: Job, output_dir: str, *, reference: bool = False, callback
         dataloader_num_workers=0,
         seed=0,
     )
-    # rows for every step and some more (best-fit-decreasing leaves the last rows part-filled)
-    dataset = make_dataset(job.model, job.row_length, 2 * (job.warmup + job.steps) + 2)
+    dataset = make_dataset(job.model, job.row_length, rows)
     extra = {}
     if job.lora:
         from peft import LoraConfig
@@ -519,7 +526,12 @@ def throughput_run(job: Job) -> dict:
         job = dataclasses.replace(job, steps=job.steps + 1)
     with tempfile.TemporaryDirectory() as output_dir:
         log(f"{job.run}: building the model and the trainer ...")
-        trainer = make_trainer(job, output_dir, reference=True, callbacks=[clock.callback])
+        # rows for every step and as many more, to draw from (as a data set larger than the
+        # run would be); best-fit-decreasing leaves a part-filled row per 1000 conversations
+        rows = 2 * (job.warmup + job.steps) + 2
+        trainer = make_trainer(
+            job, output_dir, rows=rows, reference=True, callbacks=[clock.callback]
+        )
         log(f"{job.run}: training {job.warmup} + {job.steps} steps ...")
         trainer.train()
         seconds = clock.seconds()
@@ -598,14 +610,20 @@ def probe(job: Job) -> dict:
     device = torch.device(job.device)
     start = time.perf_counter()
     outcome: dict = {"row_length": job.row_length}
+    clock = StepClock(device, None)
     trainer = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
         with tempfile.TemporaryDirectory() as output_dir:
-            trainer = make_trainer(job, output_dir)
+            # every row is padded to the probed length: a part-filled one costs as much
+            trainer = make_trainer(
+                job, output_dir, rows=job.steps + 2, callbacks=[clock.callback]
+            )
+            outcome["setup_seconds"] = time.perf_counter() - start
             trainer.train()
         outcome["status"] = "fits"
+        outcome["step_seconds"] = clock.seconds()
         outcome["real_tokens"] = trainer.data_collator.real_tokens[: job.steps]
     except Exception as error:  # noqa: BLE001 - every failure is a result of the probe
         outcome["status"] = "oom" if is_out_of_memory(error) else "error"
@@ -619,6 +637,19 @@ def probe(job: Job) -> dict:
         outcome["left_allocated_bytes"] = torch.cuda.memory_allocated()
     outcome["seconds"] = time.perf_counter() - start
     return outcome
+
+
+def expected_seconds(probes: list[dict], length: int, attention: str) -> float:
+    """A probe's seconds at ``length`` from the longest that fitted: its set-up, and its last
+    step scaled by the length (sdpa's dense attention: by its square)."""
+    fitted = [p for p in probes if p["status"] == "fits" and p.get("step_seconds")]
+    if not fitted:
+        return 0.0
+    longest = max(fitted, key=lambda p: p["row_length"])
+    power = 2 if attention == "sdpa" else 1
+    steps = len(longest["step_seconds"])
+    scale = (length / longest["row_length"]) ** power
+    return longest["setup_seconds"] + steps * longest["step_seconds"][-1] * scale
 
 
 def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int, deadline):
@@ -636,9 +667,7 @@ def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int
         if length is None:
             state["stopped"] = "done" if fails else f"reached --max-row {limit}"
             return state
-        # attention grows with the square of the row: a probe twice as long takes about 4x
-        done = [p for p in state["probes"] if p["status"] == "fits"]
-        expected = done[-1]["seconds"] * (length / done[-1]["row_length"]) ** 2 if done else 0.0
+        expected = expected_seconds(state["probes"], length, job.attention)
         if time.time() + expected > deadline:
             state["stopped"] = f"time: a probe at {length} tokens would take about {expected:.0f} s"
             return state
@@ -655,12 +684,40 @@ def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int
     return state
 
 
+def search_all(task: dict, save) -> dict:
+    """The searches of ``task["jobs"]`` one after the other in this process, each until its
+    own deadline; ``save(states)`` after each probe's search step, so that a process that dies
+    leaves what it found. Stops early, with ``fresh_process``, when memory did not come back."""
+    states = task["states"]
+    for fields in task["jobs"]:
+        job = Job(**fields)
+        key = search_key(job)
+        if states[key].get("stopped"):
+            continue
+        states[key]["in_progress"] = True
+        save(states)
+        state = search(
+            job, states[key], task["limit"], task["resolution"], task["max_probes"],
+            task["deadlines"][key],
+        )  # fmt: skip
+        state.pop("in_progress", None)
+        save(states)
+        if state["fresh_process"]:
+            return {"states": states, "fresh_process": True}
+    return {"states": states, "fresh_process": False}
+
+
+def search_key(job: Job) -> str:
+    return f"{job.model}_{job.run}"
+
+
 # --------------------------------------------------------------------------------------------
 # Driver: one process per run or search
 
 
 def run_worker(task: dict, isolate: bool) -> dict:
-    """``task`` in a subprocess of this script (``isolate``) or here; its result."""
+    """``task`` in a subprocess of this script (``isolate``) or here; its result (what a
+    process that died had saved, with ``"died"``)."""
     if not isolate:
         return worker(task)
     with tempfile.TemporaryDirectory() as folder:
@@ -668,31 +725,29 @@ def run_worker(task: dict, isolate: bool) -> dict:
         path.write_text(json.dumps(task))
         done = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False)
         result_path = path.with_suffix(".result.json")
-        if result_path.exists():
-            return json.loads(result_path.read_text())
-        return {"error": f"the worker process ended with status {done.returncode}, no result"}
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if done.returncode != 0:
+            result["died"] = f"the worker process ended with status {done.returncode}"
+        return result or {"error": f"the worker process ended with status {done.returncode}"}
 
 
-def worker(task: dict) -> dict:
-    job = Job(**task["job"])
-    if job.device == "cpu":
-        torch.set_num_threads(1)  # tiny matrices: threads only spin
+def worker(task: dict, result_path: Path | None = None) -> dict:
     try:
         if task["kind"] == "environment":
-            return harness.environment(torch.device(job.device), DISTRIBUTIONS)
+            return harness.environment(torch.device(task["device"]), DISTRIBUTIONS)
         if task["kind"] == "throughput":
-            return throughput_run(job)
-        return search(
-            job, task["state"], task["limit"], task["resolution"], task["max_probes"],
-            task["deadline"],
-        )  # fmt: skip
+            return throughput_run(Job(**task["job"]))
+
+        def save(states):
+            if result_path is not None:
+                harness.write_json(result_path, {"states": states, "fresh_process": False})
+
+        return search_all(task, save)
     except Exception as error:  # noqa: BLE001 - reported in the results
         import traceback
 
         traceback.print_exc()
-        return {"error": harness.error_text(error)} | (
-            {"state": task["state"]} if "state" in task else {}
-        )
+        return {"error": harness.error_text(error)}
 
 
 def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
@@ -702,35 +757,46 @@ def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str)
             skipped[job.run] = f"not started: past --seconds {args.seconds:.0f}"
             log(f"{job.run}: {skipped[job.run]}")
             continue
-        runs[job.run] = run_worker(
-            {"kind": "throughput", "job": dataclasses.asdict(job)}, args.isolate
-        )
+        task = {"kind": "throughput", "device": args.device, "job": dataclasses.asdict(job)}
+        runs[job.run] = run_worker(task, args.isolate)
+        if "died" in runs[job.run]:
+            runs[job.run] = {"error": runs[job.run]["died"]}
         harness.write_json(out / f"trl_steps_{job.model}_{job.run}_{slug}.json", runs[job.run])
     return {"runs": runs, "skipped_runs": skipped}
 
 
 def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
-    """One search per job; each gets an equal share of the time left, unused time passes on."""
-    searches = {}
+    """Every search in one worker process (Liger's last), each until its share of the time:
+    search ``i`` of ``n`` ends by ``start + (i + 1) / n`` of the budget, so unused time passes
+    on. A fresh process goes on where memory did not come back after a probe, or the process
+    died (the search it was in stops there)."""
     start = time.time()
-    for index, job in enumerate(jobs):
-        key = f"{job.model}_{job.run}"
-        share = start + (deadline - start) * (index + 1) / len(jobs)
-        state = {"probes": []}
-        while True:
-            task = {
-                "kind": "search", "job": dataclasses.asdict(job), "state": state,
-                "limit": args.max_row, "resolution": args.resolution,
-                "max_probes": args.max_probes, "deadline": share,
-            }  # fmt: skip
-            answer = run_worker(task, args.isolate)
-            if "error" in answer:
-                state = answer.get("state", state) | {"stopped": f"worker: {answer['error']}"}
-                break
-            state = answer
-            if not state.get("fresh_process"):
-                break
-            log(f"{key}: memory did not come back after a probe: a fresh process goes on")
+    states = {search_key(job): {"probes": []} for job in jobs}
+    deadlines = {
+        search_key(job): start + (deadline - start) * (index + 1) / len(jobs)
+        for index, job in enumerate(jobs)
+    }
+    while any(not state.get("stopped") for state in states.values()):
+        task = {
+            "kind": "searches", "device": args.device, "states": states,
+            "jobs": [dataclasses.asdict(job) for job in jobs], "deadlines": deadlines,
+            "limit": args.max_row, "resolution": args.resolution, "max_probes": args.max_probes,
+        }  # fmt: skip
+        answer = run_worker(task, args.isolate)
+        states = answer.get("states", states)
+        problem = answer.get("died") or answer.get("error")
+        if problem is not None:
+            # the search the process was in stops; the others go on in a fresh one
+            current = [k for k, s in states.items() if s.pop("in_progress", False)]
+            for key in current or [k for k, s in states.items() if not s.get("stopped")]:
+                states[key]["stopped"] = f"worker: {problem}"
+            log(f"searches: {problem}")
+            continue
+        if answer.get("fresh_process"):
+            log("memory did not come back after a probe: a fresh process goes on")
+    searches = {}
+    for job in jobs:
+        key, state = search_key(job), states[search_key(job)]
         fits = [p["row_length"] for p in state["probes"] if p["status"] == "fits"]
         fails = [p["row_length"] for p in state["probes"] if p["status"] == "oom"]
         searches[key] = state | {
@@ -759,7 +825,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--model", nargs="+", choices=tuple(MODELS), help="default: 1b; --longest: 1b 8b")
     add("--device", choices=("cuda", "cpu"), default="cuda")
     add("--runs", nargs="+", choices=tuple(RUNS), default=list(DEFAULT_RUNS))
-    add("--attention", choices=("sdpa", "flex_attention"), default="sdpa")
+    add("--attention", choices=("sdpa", "flex_attention"),
+        help="default: sdpa; --longest on CUDA: flex_attention")  # fmt: skip
     add("--row-length", type=int, help="tokens per row (8192, tiny 256); --longest: the first")
     add("--warmup", type=int, default=3, help="warm-up steps per run, reported apart")
     add("--max-steps", type=int, default=20, help="steady steps per run")
@@ -767,7 +834,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--profile", action="store_true", help="profile one more step after the steady ones")
     add("--skip-lora", action="store_true", help="--longest: leave out the 8b LoRA searches")
     add("--probe-steps", type=int, default=2, help="--longest: steps per probe")
-    add("--max-probes", type=int, default=6, help="--longest: probes per search")
+    add("--max-probes", type=int, default=10, help="--longest: probes per search")
     add("--max-row", type=int, default=1 << 20, help="--longest: the longest row probed")
     add("--resolution", type=float, default=0.125,
         help="--longest: stop at a gap of at most this share of the longest that fits")  # fmt: skip
@@ -784,6 +851,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_trl: no CUDA device: run on a GPU machine, or --model tiny --device cpu")
+    if args.attention is None:
+        flex = args.longest and args.device == "cuda"
+        args.attention = "flex_attention" if flex else "sdpa"
     if args.attention == "flex_attention" and args.device == "cpu":
         sys.exit("bench_trl: flex attention trains on CUDA only: use sdpa on the CPU")
     args.model = args.model or (["1b", "8b"] if args.longest else ["1b"])
@@ -794,8 +864,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_jobs(args) -> list[Job]:
     jobs = []
-    # Liger patches transformers' Llama module for the whole process: its runs come last
-    runs = sorted(args.runs, key=lambda run: (run.endswith("_liger"), list(RUNS).index(run)))
+    runs = sorted(args.runs, key=list(RUNS).index)
     for model in args.model:
         lora = args.longest and model == "8b"
         if lora and args.skip_lora:
@@ -816,15 +885,21 @@ def make_jobs(args) -> list[Job]:
                     pad_rows=args.longest or args.attention == "flex_attention",
                 )
             )
-    return jobs
+    # Liger patches transformers' Llama module for the whole process: its runs come last
+    return sorted(jobs, key=lambda job: job.run.endswith("_liger"))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
-        result = worker(json.loads(args.worker.read_text()))
-        harness.write_json(args.worker.with_suffix(".result.json"), result)
+        task = json.loads(args.worker.read_text())
+        if task["device"] == "cpu":
+            torch.set_num_threads(1)  # the tiny model's matrices: threads only spin
+        result_path = args.worker.with_suffix(".result.json")
+        harness.write_json(result_path, worker(task, result_path))
         return 0
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     import make_tables
 
     start = time.time()
@@ -835,7 +910,7 @@ def main(argv=None) -> int:
         sys.exit("bench_trl: nothing to run (--skip-lora leaves no 8b search)")
     # read in a worker when the runs have theirs: a CUDA context here would hold memory that
     # the runs and probes then lack
-    env = run_worker({"kind": "environment", "job": dataclasses.asdict(jobs[0])}, args.isolate)
+    env = run_worker({"kind": "environment", "device": args.device}, args.isolate)
     if "error" in env:
         sys.exit(f"bench_trl: {env['error']}")
     slug = harness.device_slug(env)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,43 @@ def test_objective_check_tells_the_two_means_apart(benchmarks_path):
     # within tolerance of both, but closer to the wrong one: not passed
     close = reference | {"token_mean": 2.0001}
     assert not objective_check("packed", 2.0001, close, 1e-3)["passed"]
+
+
+def test_searches_go_on_after_memory_stays_allocated_and_after_a_failure(
+    benchmarks_path, monkeypatch, tmp_path
+):
+    """The driver with probes stood in for: rows fit up to a capacity per run; the second
+    probe leaves memory allocated (a fresh worker goes on), and one search's probe raises."""
+    import bench_trl
+
+    capacity = {"packed": 40_000, "stock": 20_000}
+    made = []
+
+    def probe(job):
+        made.append((job.run, job.row_length))
+        if job.run == "stock_liger":
+            raise RuntimeError("the worker fails")
+        fits = job.row_length <= capacity[job.run]
+        return {
+            "row_length": job.row_length, "status": "fits" if fits else "oom", "seconds": 1.0,
+            "setup_seconds": 0.5, "step_seconds": [0.2, 0.2],
+            "left_allocated_bytes": 2**30 if len(made) == 2 else 0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(bench_trl, "probe", probe)
+    args = bench_trl.parse_args(
+        ["--longest", "--model", "tiny", "--device", "cpu", "--runs", "stock_liger", "stock",
+         "packed", "--row-length", "8192", "--no-isolate", "--out", str(tmp_path)]
+    )  # fmt: skip
+    jobs = bench_trl.make_jobs(args)
+    assert [job.run for job in jobs] == ["packed", "stock", "stock_liger"]  # Liger's last
+    found = bench_trl.run_longest(args, jobs, time.time() + 60, tmp_path, "cpu")["searches"]
+    packed, stock, liger = (found[f"tiny_{run}"] for run in ("packed", "stock", "stock_liger"))
+    assert [p["row_length"] for p in packed["probes"]] == [
+        8192, 16384, 32768, 65536, 49152, 40960, 36864,
+    ]  # fmt: skip
+    assert (packed["longest_fits"], packed["shortest_fails"]) == (36864, 40960)
+    assert (stock["longest_fits"], stock["shortest_fails"]) == (18432, 20480)
+    assert packed["stopped"] == stock["stopped"] == "done"
+    assert liger["probes"] == [] and liger["stopped"] == "worker: RuntimeError: the worker fails"
+    assert json.loads((tmp_path / "trl_longest_tiny_stock_cpu.json").read_text())["run"] == "stock"
