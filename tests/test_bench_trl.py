@@ -197,3 +197,17 @@ def test_searches_go_on_after_memory_stays_allocated_and_after_a_failure(
     assert packed["stopped"] == stock["stopped"] == "done"
     assert liger["probes"] == [] and liger["stopped"] == "worker: RuntimeError: the worker fails"
     assert json.loads((tmp_path / "trl_longest_tiny_stock_cpu.json").read_text())["run"] == "stock"
+
+
+def test_without_cuda_the_gpu_run_refuses_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_trl.py")],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0 and "no CUDA device" in done.stderr, done.stderr
