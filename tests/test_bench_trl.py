@@ -20,13 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
 
-def run_script(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
+def run_script(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
     env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / "bench_trl.py"), "--model", "tiny", "--device", "cpu",
+        [sys.executable, str(BENCHMARKS / "bench_trl.py"), "--model", "tiny", "--device", device,
          *args],
         capture_output=True, text=True, env=env, timeout=300, check=False,
     )  # fmt: skip
@@ -37,7 +35,7 @@ def benchmarks_path(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
 
 
-def check_runs(result: dict, names: set[str]) -> None:
+def check_runs(result: dict, names: set[str], device: str = "cpu") -> None:
     assert set(result["runs"]) == names and result["skipped_runs"] == {}
     for name, run in result["runs"].items():
         assert "error" not in run, run
@@ -49,12 +47,16 @@ def check_runs(result: dict, names: set[str]) -> None:
         expected = "token_mean" if name.startswith("stock") else "per_conversation_mean"
         assert check["expected"] == expected and check["passed"], check
         assert check["first_step_loss"] == run["losses"][0]
+        profile = run["profile"]
+        assert profile["wall_ms"] > 0 and "Self CPU" in profile["table"]
+        if device == "cuda":  # bf16: within the check's own tolerance
+            assert check["rel_diff_expected"] <= check["tolerance"] == 2e-3
+            assert profile["device_ms"] > 0 and "Self CUDA" in profile["table"]
+            continue
         # float32 on the CPU: rounding apart, and the two objectives far further apart
         assert check["rel_diff_expected"] < 1e-5
         assert check["separation"] > 100 * check["rel_diff_expected"]
         assert check["rel_diff_other"] > 0.5 * check["separation"]
-        profile = run["profile"]
-        assert profile["wall_ms"] > 0 and "Self CPU" in profile["table"]
         assert profile["own_ms"] == 0.0  # no device kernels on the CPU
     first = [run["check"] for run in result["runs"].values()]
     # every run saw the same first batch
@@ -94,13 +96,19 @@ def test_tiny_runs_time_both_trainers_and_check_their_objectives(tmp_path, bench
 @pytest.mark.slow
 def test_liger_runs(tmp_path):
     pytest.importorskip("liger_kernel")
+    import torch
+
+    if not torch.cuda.is_available():  # the Triton interpreter cannot run Liger's kernels
+        pytest.skip("Liger-Kernel's kernels need a GPU")
     done = run_script(
         "--runs", "packed_liger", "stock_liger", "--warmup", "1", "--max-steps", "2",
-        "--profile", "--out", str(tmp_path), interpret=True,
+        "--profile", "--out", str(tmp_path), device="cuda",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / "trl_steps_tiny_cpu.json").read_text())
-    check_runs(result, {"packed_liger", "stock_liger"})
+    # the file of all runs, beside one per run
+    results = [json.loads(path.read_text()) for path in tmp_path.glob("trl_steps_tiny_*.json")]
+    (result,) = [result for result in results if "runs" in result]
+    check_runs(result, {"packed_liger", "stock_liger"}, device="cuda")
 
 
 @pytest.mark.slow  # about 12 s: the search runs in a subprocess of its own
