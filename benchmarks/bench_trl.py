@@ -63,8 +63,8 @@ On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft
     PYTHONPATH=. python benchmarks/bench_trl.py --longest --out benchmarks/results # <= --seconds
     PYTHONPATH=. python benchmarks/bench_trl.py --model tiny --device cpu          # CPU, ~1 min
 
-Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``) and one JSON per run or
-search (``..._<run>.json``, written as soon as it ends) under ``--out`` (default: a temporary
+Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``) and one JSON per run (as
+soon as it ends) or search (``..._<run>_<device>.json``) under ``--out`` (default: a temporary
 folder); ``make_tables.py`` renders them.
 
 Dimensions: T tokens per row, V vocabulary, S sequences.
