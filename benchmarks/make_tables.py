@@ -10,7 +10,8 @@ markers::
 Cross entropy: every time is set against the floor, reading the logits once and writing the
 gradient once (``floor_bytes``), at the device-to-device copy rate measured in the same run.
 Fused linear: against ``6 N H V`` FLOPs at the bf16 matmul rate measured in the same run.
-Training: whole SFT steps; see ``bench_training.py``.
+Training: whole SFT steps; see ``bench_training.py``. trl: whole trl steps and the longest
+row that trains; see ``bench_trl.py``.
 
 Only the standard library is imported here: rendering needs no GPU, torch or packed_ce.
 """
@@ -523,6 +524,161 @@ def training_report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _model_text(result: dict) -> str:
+    parts = []
+    for name, config in result["models"].items():
+        tied = ", tied embeddings" if config.get("tie_word_embeddings") else ""
+        parts.append(
+            f"{name}: Llama-shaped, {config['num_hidden_layers']} layers, hidden "
+            f"{config['hidden_size']}, vocabulary {config['vocab_size']}{tied}"
+        )
+    return "; ".join(parts)
+
+
+def trl_steps_report(result: dict) -> str:
+    """The runs of one ``bench_trl.py`` throughput result: speed, memory, the objective check
+    and, where profiled, the share of packed-ce's own kernels in a step."""
+    env, runs = result["environment"], result["runs"]
+    done = {name: run for name, run in runs.items() if "error" not in run}
+    first = next(iter(done.values()), None)
+    lines = [
+        f"{env['device_name']} ({_versions(env)}). {_model_text(result)}; random init, "
+        f"{'bf16' if env['device_name'] != 'cpu' else 'fp32'}, {result['attention']}, "
+        f"gradient checkpointing {'on' if result['gradient_checkpointing'] else 'off'}; trl "
+        "packing=True (bfd), padding_free=True, one packed row per step"
+        + (
+            f" of up to {first['job']['row_length']} tokens ({first['real_tokens_per_step']:.0f} "
+            "real tokens on average)"
+            if first and first.get("real_tokens_per_step")
+            else ""
+        )
+        + f". {result['warmup_steps']} warm-up steps per run, reported apart; steady: the "
+        "median step (p20-p80), each from the end of the previous one; tokens/s: real tokens "
+        "(no padding) of all steady steps over their time; vs stock: tokens/s over the stock "
+        "trainer's with the same kernels; peak: allocated GPU memory from the first step on.",
+        "",
+        "| run | warm-up steps s | steady step s | steps | real tokens/s | vs stock | peak GiB "
+        "| first-step loss | objective |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, run in runs.items():
+        if "error" in run:
+            lines.append(f"| {RUN_LABELS.get(name, name)} | {run['error']} |" + " |" * 7)
+            continue
+        peer = done.get("stock_liger" if name.endswith("_liger") else "stock")
+        speed = "-"
+        if peer and run.get("tokens_per_second") and peer.get("tokens_per_second"):
+            speed = f"{run['tokens_per_second'] / peer['tokens_per_second']:.3f}x"
+        check = run["check"]
+        objective = (
+            f"{check['expected'].replace('_', ' ')}: "
+            f"{'passed' if check['passed'] else 'FAILED'} ({check['rel_diff_expected']:.1e})"
+        )
+        peak = f"{run['peak_gib']:.2f}" if "peak_gib" in run else "-"
+        tokens = f"{run['tokens_per_second']:,.0f}" if run.get("tokens_per_second") else "-"
+        lines.append(
+            f"| {run['label']} | {', '.join(f'{s:.2f}' for s in run['warmup_seconds']) or '-'} "
+            f"| {_seconds(run)} | {len(run['step_seconds'])} | {tokens} | {speed} | {peak} "
+            f"| {run['losses'][0]:.5f} | {objective} |"
+        )
+    lines.append("")
+    for name, run in done.items():
+        check = run["check"]
+        lines.append(
+            f"- {name}, objective check on its first step ({check['conversations']} "
+            f"conversations, {check['targets']} targets), initial weights: loss "
+            f"{check['first_step_loss']:.6f}; float32 reference: per-conversation mean "
+            f"{check['per_conversation_mean']:.6f}, token mean {check['token_mean']:.6f} (apart "
+            f"by {check['separation']:.1e}); expected the {check['expected'].replace('_', ' ')}, "
+            f"relative difference {check['rel_diff_expected']:.1e} (tolerance "
+            f"{check['tolerance']:g}), to the other {check['rel_diff_other']:.1e}: "
+            f"{'passed' if check['passed'] else 'FAILED'}"
+        )
+    for name, run in done.items():
+        profile = run.get("profile")
+        if not profile:
+            continue
+        share = profile["own_share_of_device_time"]
+        waits, reads = (
+            ", ".join(f"{k} {v}" for k, v in sorted(profile[key].items())) or "none"
+            for key in ("host_waits_by_origin", "scalar_reads_by_origin")
+        )
+        lines.append(
+            f"- {name}, one profiled step: packed-ce's own kernels {profile['own_ms']:.2f} ms"
+            + (f" = {share:.2%} of the step's device time" if share is not None else "")
+            + f" ({profile['device_ms']:.1f} ms of kernels; wall {profile['wall_ms']:.1f} ms "
+            f"under the profiler); packed_ce's whole path, with the PyTorch kernels and GEMMs "
+            f"it launches, {profile['packed_ce_path_ms']:.2f} ms; host waits "
+            f"(synchronize calls) by the package that made them: {waits}; reads of a device "
+            f"value (.item() and the like): {reads}"
+        )
+    for name, reason in result.get("skipped_runs", {}).items():
+        lines.append(f"- {name}: {reason}")
+    return "\n".join(lines)
+
+
+RUN_LABELS = {
+    "packed": "PackedSFTTrainer",
+    "stock": "SFTTrainer",
+    "packed_liger": "PackedSFTTrainer + Liger",
+    "stock_liger": "SFTTrainer + Liger",
+}
+
+
+def trl_longest_report(result: dict) -> str:
+    """The longest packed row each run trains, from one ``bench_trl.py --longest`` result."""
+    env = result["environment"]
+    lines = [
+        f"{env['device_name']} ({_versions(env)}). {_model_text(result)}; {result['attention']}, "
+        f"gradient checkpointing, trl packing=True (bfd), padding_free=True, one row per step "
+        f"padded to the probed length; a length fits when {result['probe_steps']} steps train "
+        "without running out of memory. Lengths double from the first until one fails, then "
+        "bisect. 8b: LoRA (" + ", ".join(f"{k}={v}" for k, v in result["lora"].items()) + ").",
+        "",
+        "| model | run | longest that fits | shortest that fails | vs stock | peak GiB at the "
+        "longest | probes (tokens: outcome, s) | stopped |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    searches = result["searches"]
+    for key, found in searches.items():
+        peer = searches.get(
+            f"{found['model']}_stock{'_liger' if key.endswith('_liger') else ''}", {}
+        )
+        speed = "-"
+        if found["longest_fits"] and peer.get("longest_fits"):
+            speed = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
+        fitting = [p for p in found["probes"] if p["row_length"] == found["longest_fits"]]
+        peak = f"{fitting[0]['peak_gib']:.1f}" if fitting and "peak_gib" in fitting[0] else "-"
+        probes = ", ".join(
+            f"{p['row_length']}: {p['status']} {p['seconds']:.0f}" for p in found["probes"]
+        )
+        lines.append(
+            f"| {found['model']}{' LoRA' if found['lora'] else ''} | {found['label']} "
+            f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {speed} "
+            f"| {peak} | {probes or '-'} | {found.get('stopped', '-')} |"
+        )
+    errors = [
+        f"- {key}: {p['row_length']} tokens: {p['error']}"
+        for key, found in searches.items()
+        for p in found["probes"]
+        if p["status"] == "error"
+    ]
+    return "\n".join(lines + ([""] + errors if errors else []))
+
+
+def load_trl_results(results_dir: Path, benchmark: str) -> list[dict]:
+    """The newest full ``bench_trl.py`` result per device, models and attention."""
+    newest: dict[tuple, dict] = {}
+    for path in sorted(Path(results_dir).glob("trl_*.json")):
+        result = json.loads(path.read_text())
+        if result.get("benchmark") != benchmark or result.get("mode") != "full":
+            continue  # a run's own file, or tiny numbers that mean nothing
+        key = (result["environment"]["device_name"], tuple(result["models"]), result["attention"])
+        if key not in newest or result["created"] > newest[key]["created"]:
+            newest[key] = result
+    return [newest[key] for key in sorted(newest)]
+
+
 def load_results(
     results_dir: Path, benchmark: str, modes: tuple[str, ...] = ("full", "quick")
 ) -> list[dict]:
@@ -547,6 +703,12 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
     for result in load_results(results_dir, "training"):
         parts += [f"### Whole SFT steps, {result['environment']['device_name']}"]
         parts.append(training_report(result))
+    for result in load_trl_results(results_dir, "trl_steps"):
+        parts.append(f"### Whole trl steps, {result['environment']['device_name']}")
+        parts.append(trl_steps_report(result))
+    for result in load_trl_results(results_dir, "trl_longest"):
+        parts.append(f"### The longest row that trains, {result['environment']['device_name']}")
+        parts.append(trl_longest_report(result))
     for result in load_results(results_dir, "cross_entropy", modes=("defaults",)):
         parts.append(f"### The default path, {result['environment']['device_name']}")
         parts.append(defaults_report(result))

@@ -1,0 +1,960 @@
+"""Whole trl steps: ``PackedSFTTrainer`` against trl's ``SFTTrainer``; the longest row that fits.
+
+Four runs, each a trl ``train()`` on the same data from the same initial weights:
+
+- ``packed``: ``PackedSFTTrainer`` with its defaults (the mean over conversations of each
+  conversation's mean token loss, through ``packed_ce.fused_linear_cross_entropy``);
+- ``stock``: trl's ``SFTTrainer`` with its stock ``loss_type="nll"`` (trl's chunked LM head, the
+  token mean);
+- ``packed_liger``, ``stock_liger``: the same with ``use_liger_kernel=True``: Liger-Kernel's
+  RMSNorm, SwiGLU and RoPE kernels (trl 1.16 turns Liger's fused linear cross entropy off and
+  keeps its own LM head, so the loss path of each trainer is unchanged);
+- ``packed_all_rows`` (only when named in ``--runs``): ``packed`` with every row through the
+  fused path's GEMMs (``drop_ignored_rows=False``: no host sync in the loss).
+
+Every run: a Llama-shaped model built from its config (random init, bf16 on CUDA), trl's
+``packing=True`` (``packing_strategy="bfd"``) and ``padding_free=True``, one packed row per step
+(``per_device_train_batch_size=1``), trl's other defaults (AdamW, bf16 autocast, learning rate
+2e-5), attention that keeps the conversations of a row apart: ``sdpa`` (transformers builds the
+block-diagonal causal mask from the restarting ``position_ids``; rows of their exact length) or
+``--attention flex_attention`` (rows padded to the row length, ``pad_to_multiple_of``, so that
+nothing recompiles after the first step). Data: the synthetic multi-turn conversations of
+``bench_training.py`` (its ``make_conversations`` and ``ChatShape``: a few exchanges, answers of a
+few hundred tokens, only assistant turns are targets), given to trl already tokenized
+(``input_ids``, ``labels``), which packs them best-fit-decreasing into rows of ``--row-length``.
+
+Two measurements (one shell call each on a GPU):
+
+- throughput (default): per run ``--warmup`` steps, then ``--max-steps`` steady steps. Step time is
+  the time between the ends of consecutive steps (CUDA events recorded when each optimiser step
+  has been enqueued, read after training: no host sync added), so data loading and trl's own
+  per-step work count. Reported: real tokens/s (no padding) over the steady steps, the median
+  step, peak allocated memory (``torch.cuda.max_memory_allocated`` after a reset at the first
+  step), and the objective check: on the first step, with the initial weights, each token's loss
+  from the model's logits in float32, and from them the per-conversation mean and the token
+  mean; ``packed`` must give the first and ``stock`` the second. ``--profile`` records a
+  ``torch.profiler`` table of one more step after the timed ones, sorted by device time, with
+  the share of packed-ce's own kernels (names containing ``_cross_entropy_kernel``,
+  ``_targets`` or ``packed_ce``) in the step's device time, and the host waits of the step by
+  the file that caused them (packed_ce, trl, transformers, ...).
+- ``--longest``: per run and model, the longest packed row that trains ``--probe-steps`` steps
+  without running out of memory, with gradient checkpointing: ``--model 1b`` fully fine-tuned,
+  ``--model 8b`` (Llama-3-8B shape) with LoRA (``peft_config=LoraConfig(...)``; ``--skip-lora``
+  leaves it out). Each probe builds the model and the trainer, trains, and catches
+  ``torch.OutOfMemoryError``; rows are padded to the probed length. Lengths double from
+  ``--row-length`` until one fails, then bisect until the gap is below ``--resolution`` of the
+  longest that fits, at most ``--max-probes`` probes per search. Attention: flex attention on
+  CUDA unless ``--attention sdpa``: sdpa's dense ``(T, T)`` mask (and the additive copy sdpa
+  makes of it) grows with the square of the row and would bound every trainer alike, and its
+  dense attention makes a probe of 100k tokens take minutes; flex attention compiles at the
+  first length and once more, for any length, at the second (torch.compile's automatic
+  dynamic shapes), in each process.
+
+Each throughput run runs in a subprocess of its own on CUDA: Liger patches transformers' Llama
+module for the whole process, and every run then starts with an empty allocator. The searches
+share one subprocess (Liger's last), so that flex attention compiles once: the probes follow
+one another while the memory comes back after each (checked); where it does not, or the process
+dies, a fresh one goes on. No run, search or probe starts after ``--seconds`` (a search: after
+its share of it); what was left out is said in the results.
+
+On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft installed)::
+
+    PYTHONPATH=. python benchmarks/bench_trl.py --out benchmarks/results           # ~4 min
+    PYTHONPATH=. python benchmarks/bench_trl.py --longest --out benchmarks/results # <= --seconds
+    PYTHONPATH=. python benchmarks/bench_trl.py --model tiny --device cpu          # CPU, ~1 min
+
+Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``) and one JSON per run (as
+soon as it ends) or search (``..._<run>_<device>.json``) under ``--out`` (default: a temporary
+folder); ``make_tables.py`` renders them.
+
+Dimensions: T tokens per row, V vocabulary, S sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import harness
+from bench_training import ChatShape, make_conversations
+
+IGNORE_INDEX = harness.IGNORE_INDEX
+DISTRIBUTIONS = (
+    "torch", "triton", "transformers", "trl", "datasets", "accelerate", "peft", "liger-kernel",
+)  # fmt: skip
+RUNS = {
+    "packed": "PackedSFTTrainer (defaults: per-conversation mean, fused LM head + loss)",
+    "stock": "trl SFTTrainer (stock nll: token mean, trl's chunked LM head)",
+    "packed_liger": "PackedSFTTrainer, use_liger_kernel=True",
+    "stock_liger": "trl SFTTrainer, use_liger_kernel=True",
+    # not run by default: what the fused loss's one host sync (counting the rows with a target,
+    # to leave the others out of the GEMMs) buys or costs inside a whole step
+    "packed_all_rows": "PackedSFTTrainer, every row through the GEMMs (drop_ignored_rows=False)",
+}
+DEFAULT_RUNS = ("packed", "stock", "packed_liger", "stock_liger")
+# Llama-3.2-1B and Llama-3-8B shapes; "tiny" runs on a CPU in seconds.
+MODELS = {
+    "tiny": dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    ),
+    "1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=8192,
+        ),
+    ),
+    "8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+    ),
+}  # fmt: skip
+# The data of each model size: bench_training's shapes (the tiny one scaled down by 16).
+CHATS = {
+    "tiny": (ChatShape(system_median=3, user_median=4, assistant_median=14, max_exchanges=4), 128),
+    "1b": (ChatShape(), 4096),
+    "8b": (ChatShape(), 4096),
+}
+LORA = dict(
+    r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+)
+# Kernels and ops of packed-ce's own path, by name, in a profile.
+OWN_NAMES = ("_cross_entropy_kernel", "_targets", "packed_ce")
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+SCALAR_READ = "aten::_local_scalar_dense"
+# A probe that leaves more than this allocated after its clean-up ends its process.
+LEFTOVER_BYTES = 256 * harness.MiB
+
+
+def log(message: str) -> None:
+    print(f"[bench_trl {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Data, tokenizer, model, trainer
+
+
+def make_dataset(model: str, row_length: int, rows: int, seed: int = 0):
+    """Tokenized conversations (``input_ids``, ``labels``) of about ``rows`` packed rows of
+    ``row_length`` tokens, the same for every run given the arguments."""
+    from datasets import Dataset
+
+    shape, max_conversation = CHATS[model]
+    rng = np.random.default_rng(seed)
+    conversations, tokens = [], 0
+    while tokens < rows * row_length:
+        batch = make_conversations(
+            64, MODELS[model]["vocab_size"], shape, min(max_conversation, row_length), rng
+        )
+        conversations += batch
+        tokens += sum(len(c["input_ids"]) for c in batch)
+    return Dataset.from_list(conversations)
+
+
+def make_tokenizer():
+    """A three-token tokenizer: trl only needs its pad token (the data come tokenized)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+    )  # fmt: skip
+
+
+def build_model(model: str, attention: str, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # use_cache=False: with a cache transformers ignores the packed position_ids
+    config = LlamaConfig(**MODELS[model], use_cache=False, attn_implementation=attention)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM._from_config(config, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One trainer's set-up: what a worker process needs to build it."""
+
+    run: str
+    model: str
+    device: str
+    attention: str
+    row_length: int
+    warmup: int
+    steps: int
+    gradient_checkpointing: bool
+    lora: bool = False
+    profile: bool = False
+    pad_rows: bool = False  # pad every row to row_length (probes, flex attention)
+
+
+class _Measured:
+    """Trainer mixin: every step's loss (detached, read after training), and on the first step,
+    before it, the reference losses of the objective check from the initial weights."""
+
+    reference: dict | None = None
+    step_losses: list
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.reference is None and self.want_reference:
+            with self.accelerator.autocast():  # the step's mixed precision (bf16 on CUDA)
+                self.reference = reference_losses(self.model, inputs)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # the reference's logits are no step's
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.step_losses.append(loss)
+        return loss
+
+
+class _CountingCollator:
+    """trl's collator, counting each batch's real tokens (before padding), in batch order."""
+
+    def __init__(self, collator):
+        self.collator, self.real_tokens = collator, []
+
+    def __call__(self, examples):
+        self.real_tokens.append(sum(len(example["input_ids"]) for example in examples))
+        return self.collator(examples)
+
+
+def make_trainer(
+    job: Job, output_dir: str, *, rows: int, reference: bool = False, callbacks=()
+):
+    from trl import SFTConfig, SFTTrainer
+
+    from packed_ce.integrations import PackedSFTTrainer
+
+    device = torch.device(job.device)
+    args = SFTConfig(
+        output_dir=output_dir,
+        max_steps=job.warmup + job.steps,
+        per_device_train_batch_size=1,
+        packing=True,
+        packing_strategy="bfd",
+        padding_free=True,
+        max_length=job.row_length,
+        pad_to_multiple_of=job.row_length if job.pad_rows else None,
+        gradient_checkpointing=job.gradient_checkpointing,
+        use_liger_kernel=job.run.endswith("_liger"),
+        bf16=device.type == "cuda",
+        use_cpu=device.type == "cpu",
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    dataset = make_dataset(job.model, job.row_length, rows)
+    extra = {}
+    if job.lora:
+        from peft import LoraConfig
+
+        extra["peft_config"] = LoraConfig(**LORA)
+    model = build_model(job.model, job.attention, device)
+    if job.run == "packed_all_rows":
+        from packed_ce.integrations import apply_packed_loss
+
+        apply_packed_loss(
+            model, fused_linear=True, fused_linear_options={"drop_ignored_rows": False}
+        )
+    base = PackedSFTTrainer if job.run.startswith("packed") else SFTTrainer
+    measured = type(f"Measured{base.__name__}", (_Measured, base), {})
+    measured.want_reference = reference
+    trainer = measured(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=make_tokenizer(),
+        callbacks=list(callbacks),
+        **extra,
+    )
+    trainer.step_losses = []
+    trainer.data_collator = _CountingCollator(trainer.data_collator)
+    return trainer
+
+
+# --------------------------------------------------------------------------------------------
+# The objective check
+
+
+def reference_losses(model, batch: dict, chunk: int = 1024) -> dict:
+    """Each target's loss of one padding-free batch ``(1, T)`` in float32 from the model's
+    logits (computed ``chunk`` rows at a time), and the two means it gives: per conversation
+    (each conversation's mean, averaged over conversations with a target) and per token."""
+    # transformers' compiled flex attention is specialised on the grad mode: under no_grad it
+    # would compile a second time (tens of seconds); its graph is dropped at once here
+    with torch.set_grad_enabled(model.config._attn_implementation == "flex_attention"):
+        hidden = model.get_decoder()(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).last_hidden_state[0].detach()  # (T, H)
+    with torch.no_grad():
+        return _means(hidden, model.get_output_embeddings(), batch, chunk)
+
+
+def _means(hidden: torch.Tensor, head, batch: dict, chunk: int) -> dict:
+    positions, labels = batch["position_ids"][0], batch["labels"][0]
+    # token t predicts t + 1 of its own conversation (trl's collator ignores each first label)
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:-1] = torch.where(positions[1:] == 0, IGNORE_INDEX, labels[1:])
+    losses = torch.cat(
+        [
+            F.cross_entropy(head(h).float(), t, ignore_index=IGNORE_INDEX, reduction="none")
+            for h, t in zip(hidden.split(chunk), targets.split(chunk))
+        ]
+    ).double()  # (T,)
+    valid = (targets != IGNORE_INDEX).double()
+    sequence = (positions == 0).cumsum(0) - 1  # (T,) conversation index
+    count = int(sequence[-1]) + 1
+    sums = torch.zeros(count, dtype=torch.float64, device=losses.device)
+    sums.index_add_(0, sequence, losses * valid)
+    targets_per = torch.zeros_like(sums).index_add_(0, sequence, valid)
+    has = targets_per > 0
+    return {
+        "conversations": int(has.sum()),
+        "targets": int(valid.sum()),
+        "per_conversation_mean": (sums[has] / targets_per[has]).mean().item(),
+        "token_mean": (losses * valid).sum().item() / valid.sum().item(),
+    }
+
+
+def objective_check(run: str, first_loss: float, reference: dict, tolerance: float) -> dict:
+    """``packed`` must give the per-conversation mean and ``stock`` the token mean (within
+    ``tolerance``, relative, and closer to it than to the other mean)."""
+    expected, other = ("per_conversation_mean", "token_mean")
+    if run.startswith("stock"):
+        expected, other = other, expected
+    to_expected = abs(first_loss - reference[expected]) / abs(reference[expected])
+    to_other = abs(first_loss - reference[other]) / abs(reference[other])
+    return reference | {
+        "first_step_loss": first_loss,
+        "expected": expected,
+        "rel_diff_expected": to_expected,
+        "rel_diff_other": to_other,
+        # how far apart the two objectives are on this batch: what the check can tell apart
+        "separation": abs(reference["per_conversation_mean"] - reference["token_mean"])
+        / abs(reference["token_mean"]),
+        "tolerance": tolerance,
+        "passed": to_expected <= tolerance and to_expected < to_other,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput
+
+
+class StepClock:
+    """Trainer callback: an event at the start of training and at the end of every optimiser
+    step (CUDA events, read after training; the host clock off CUDA), and a profile of one step."""
+
+    def __init__(self, device: torch.device, profile_step: int | None):
+        from transformers import TrainerCallback
+
+        self.device, self.profile_step, self.marks, self.profiler = device, profile_step, [], None
+        self.profile_wall = None
+        clock = self
+
+        class Callback(TrainerCallback):  # a TrainerCallback built here: the import is lazy
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.global_step == 0:
+                    clock.mark()
+                if state.global_step == clock.profile_step:
+                    clock.start_profile()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                clock.mark()
+                if state.global_step - 1 == clock.profile_step:
+                    clock.stop_profile()
+
+        self.callback = Callback()
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds of each step, from the end of the one before (the first: from its start)."""
+        harness.synchronize(self.device)
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def start_profile(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        harness.synchronize(self.device)
+        self.profiler = profile(activities=activities, with_stack=True)
+        self.profiler.start()
+        self.profile_wall = time.perf_counter()
+
+    def stop_profile(self) -> None:
+        harness.synchronize(self.device)  # the step's kernels end inside the profile
+        self.profile_wall = time.perf_counter() - self.profile_wall
+        self.profiler.stop()
+
+
+ORIGINS = ("packed_ce", "trl", "transformers", "accelerate", "peft", "liger_kernel")
+
+
+def _origin(event) -> str:
+    """The package whose code made ``event`` (for packed_ce, the frame itself): the innermost
+    Python frame above it outside torch (with ``with_stack`` the profiler records frames as
+    events named ``path(line): function``, the path relative to its ``sys.path`` entry, e.g.
+    ``packed_ce/fused_linear.py(80): fused_linear_cross_entropy``)."""
+    node = event.cpu_parent
+    while node is not None:
+        name = node.name
+        if ".py(" in name and not name.startswith("torch/"):
+            package = name.split("/", 1)[0] if "/" in name.split("(", 1)[0] else None
+            if package == "packed_ce":  # which part: the loss, or the trainer's metrics
+                return name
+            if package in ORIGINS:
+                return package
+            if name.startswith("bench_trl.py("):
+                return "bench_trl (the profiler's own wait)"
+            return "other"
+        node = node.cpu_parent
+    return "unknown"
+
+
+def _packed_ce_names() -> tuple[set[str], set[str]]:
+    """The Triton kernels (``*_kernel``) and autograd Functions packed_ce's loaded modules
+    define: a profile names kernels and backward nodes after them."""
+    from triton.runtime.jit import KernelInterface
+
+    kernels, functions = set(), set()
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "packed_ce" or module is None:
+            continue
+        for attribute, value in vars(module).items():
+            if isinstance(value, KernelInterface) and attribute.endswith("_kernel"):
+                kernels.add(attribute)
+            elif isinstance(value, type) and issubclass(value, torch.autograd.Function):
+                if value.__module__.startswith("packed_ce"):
+                    functions.add(value.__name__)
+    return kernels, functions
+
+
+def profile_summary(profiler, wall_seconds: float, device: torch.device) -> dict:
+    """The profiled step's table (by self device time on CUDA, self CPU time off it), the share
+    of packed-ce's own kernels in the step's device time, the device time of packed_ce's whole
+    path, and the step's host waits by origin."""
+    from torch.autograd import DeviceType
+
+    averages = profiler.key_averages()
+    on_device = device.type == "cuda"
+    kernels = [e for e in averages if on_device and e.device_type != DeviceType.CPU]
+    device_us = sum(e.self_device_time_total for e in kernels)
+    # the issue's names, and every Triton kernel of packed_ce (the row scaling, the value checks
+    # and the normaliser too)
+    own_kernels, functions = _packed_ce_names()
+    names = (*OWN_NAMES, *sorted(own_kernels))
+    own = [e for e in kernels if any(name in e.key for name in names)]
+    own_us = sum(e.self_device_time_total for e in own)
+    # packed_ce's whole path with the PyTorch kernels and GEMMs it launches: its outermost
+    # Python frames (the forward) and its autograd nodes (the backward, on autograd's thread)
+    path_us = 0.0
+    for event in profiler.events() if on_device else ():
+        if event.name.startswith("packed_ce/"):
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("packed_ce/"):
+                parent = parent.cpu_parent
+            if parent is None:  # outermost
+                path_us += event.device_time_total
+        elif event.name.startswith("autograd::engine::evaluate_function: ") and any(
+            event.name.endswith(f"{function}Backward") for function in functions
+        ):
+            path_us += event.device_time_total
+    # host waits (the runtime's synchronize calls) and reads of a device value (.item(),
+    # bool(), float(): each one waits), by the package whose code made them
+    waits: dict[str, int] = {}
+    reads: dict[str, int] = {}
+    for event in profiler.events():
+        counts = waits if event.name in HOST_WAITS else reads if event.name == SCALAR_READ else None
+        if counts is not None:
+            origin = _origin(event)
+            counts[origin] = counts.get(origin, 0) + 1
+    sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+    return {
+        "wall_ms": wall_seconds * 1e3,
+        "device_ms": device_us / 1e3,
+        "own_names": names,
+        "own_kernels": {e.key: e.self_device_time_total / 1e3 for e in own},
+        "own_ms": own_us / 1e3,
+        "own_share_of_device_time": own_us / device_us if device_us else None,
+        "packed_ce_path_ms": path_us / 1e3,
+        "host_waits_by_origin": waits,
+        "scalar_reads_by_origin": reads,
+        "table": averages.table(sort_by=sort, row_limit=40, max_name_column_width=70),
+    }
+
+
+def throughput_run(job: Job) -> dict:
+    """One run: ``warmup + steps`` trl steps (one more, profiled, with ``job.profile``)."""
+    device = torch.device(job.device)
+    profile_step = job.warmup + job.steps if job.profile else None
+    clock = StepClock(device, profile_step)
+    if job.profile:
+        job = dataclasses.replace(job, steps=job.steps + 1)
+    with tempfile.TemporaryDirectory() as output_dir:
+        log(f"{job.run}: building the model and the trainer ...")
+        # rows for every step and as many more, to draw from (as a data set larger than the
+        # run would be); best-fit-decreasing leaves a part-filled row per 1000 conversations
+        rows = 2 * (job.warmup + job.steps) + 2
+        trainer = make_trainer(
+            job, output_dir, rows=rows, reference=True, callbacks=[clock.callback]
+        )
+        log(f"{job.run}: training {job.warmup} + {job.steps} steps ...")
+        trainer.train()
+        seconds = clock.seconds()
+    losses = [loss.item() for loss in trainer.step_losses]
+    tokens = trainer.data_collator.real_tokens[: len(seconds)]
+    timed = slice(job.warmup, job.warmup + job.steps - (1 if job.profile else 0))
+    steady, steady_tokens = seconds[timed], tokens[timed]
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    tolerance = 1e-4 if device.type == "cpu" else 2e-3  # fp32 / bf16 (8 significant bits)
+    result = {
+        "run": job.run,
+        "label": RUNS[job.run],
+        "job": dataclasses.asdict(job),
+        "trainer": type(trainer).__mro__[2].__name__,
+        "parameters": parameters,
+        "optimizer": str(trainer.args.optim),
+        "warmup_seconds": seconds[: job.warmup],
+        "step_seconds": steady,
+        "step_real_tokens": steady_tokens,
+        "losses": losses,
+        "real_tokens_per_step": statistics.fmean(steady_tokens) if steady_tokens else None,
+        # every steady token over every steady second: what a long run gets
+        "tokens_per_second": sum(steady_tokens) / sum(steady) if steady else None,
+        "check": objective_check(job.run, losses[0], trainer.reference, tolerance),
+    }
+    if steady:
+        result |= harness.summarize(steady, unit="seconds")
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / harness.GiB
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / harness.GiB
+    if job.profile:
+        result["profile"] = profile_summary(clock.profiler, clock.profile_wall, device)
+        print(result["profile"]["table"], flush=True)
+    log(
+        f"{job.run}: {result['tokens_per_second'] or 0:,.0f} real tokens/s, median step "
+        f"{result.get('median_seconds', float('nan')):.3f} s, peak "
+        f"{result.get('peak_gib', float('nan')):.1f} GiB, first-step loss {losses[0]:.5f} "
+        f"({result['check']['expected']}: {'passed' if result['check']['passed'] else 'FAILED'})"
+    )
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The longest row that fits
+
+
+def next_length(fits: list[int], fails: list[int], start: int, limit: int, resolution: float):
+    """The next row length to probe, or None when the search is over: doubling from ``start``
+    until a length fails, then bisecting (multiples of 1024 tokens) until the gap between the
+    longest that fits and the shortest that fails is at most ``resolution`` of the first."""
+    longest = max(fits, default=None)
+    shortest_fail = min(fails, default=None)
+    if shortest_fail is None:
+        if longest is None:
+            return start
+        return 2 * longest if 2 * longest <= limit else None
+    if longest is None:  # the start fails: halve, down to 1024 tokens
+        half = shortest_fail // 2
+        return half if half >= 1024 else None
+    if shortest_fail - longest <= max(1024, resolution * longest):
+        return None
+    middle = (longest + shortest_fail) // 2 // 1024 * 1024
+    return middle if longest < middle < shortest_fail else None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    text = str(error)
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError)
+        and ("out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+    )
+
+
+def probe(job: Job) -> dict:
+    """Builds the model and trainer for one row length and trains ``job.steps`` steps."""
+    device = torch.device(job.device)
+    start = time.perf_counter()
+    outcome: dict = {"row_length": job.row_length}
+    clock = StepClock(device, None)
+    trainer = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with tempfile.TemporaryDirectory() as output_dir:
+            # every row is padded to the probed length: a part-filled one costs as much
+            trainer = make_trainer(
+                job, output_dir, rows=job.steps + 2, callbacks=[clock.callback]
+            )
+            outcome["setup_seconds"] = time.perf_counter() - start
+            trainer.train()
+        outcome["status"] = "fits"
+        outcome["step_seconds"] = clock.seconds()
+        outcome["real_tokens"] = trainer.data_collator.real_tokens[: job.steps]
+    except Exception as error:  # noqa: BLE001 - every failure is a result of the probe
+        outcome["status"] = "oom" if is_out_of_memory(error) else "error"
+        outcome["error"] = harness.error_text(error)
+    # the error's traceback held the trainer's frames; both are gone past the except clause
+    trainer = None
+    gc.collect()
+    if device.type == "cuda":
+        outcome["peak_gib"] = torch.cuda.max_memory_allocated() / harness.GiB
+        torch.cuda.empty_cache()
+        outcome["left_allocated_bytes"] = torch.cuda.memory_allocated()
+    outcome["seconds"] = time.perf_counter() - start
+    return outcome
+
+
+def expected_seconds(probes: list[dict], length: int, attention: str) -> float:
+    """A probe's seconds at ``length`` from the longest that fitted: its set-up, and its last
+    step scaled by the length (sdpa's dense attention: by its square)."""
+    fitted = [p for p in probes if p["status"] == "fits" and p.get("step_seconds")]
+    if not fitted:
+        return 0.0
+    longest = max(fitted, key=lambda p: p["row_length"])
+    power = 2 if attention == "sdpa" else 1
+    steps = len(longest["step_seconds"])
+    scale = (length / longest["row_length"]) ** power
+    return longest["setup_seconds"] + steps * longest["step_seconds"][-1] * scale
+
+
+def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int, deadline):
+    """Probes in this process until the search ends, ``max_probes`` are made, the next probe
+    would end past ``deadline`` (time.time()), or a probe leaves memory allocated (then
+    ``state["fresh_process"]`` asks for another process). Updates and returns ``state``."""
+    state["fresh_process"] = False
+    while len(state["probes"]) < max_probes:
+        fits = [p["row_length"] for p in state["probes"] if p["status"] == "fits"]
+        fails = [p["row_length"] for p in state["probes"] if p["status"] == "oom"]
+        if any(p["status"] == "error" for p in state["probes"]):
+            state["stopped"] = "a probe failed with an error other than out of memory"
+            return state
+        length = next_length(fits, fails, job.row_length, limit, resolution)
+        if length is None:
+            state["stopped"] = "done" if fails else f"reached --max-row {limit}"
+            return state
+        expected = expected_seconds(state["probes"], length, job.attention)
+        if time.time() + expected > deadline:
+            state["stopped"] = f"time: a probe at {length} tokens would take about {expected:.0f} s"
+            return state
+        log(f"{job.model} {job.run}: probing rows of {length} tokens ...")
+        outcome = probe(dataclasses.replace(job, row_length=length))
+        state["probes"].append(outcome)
+        error = f", {outcome['error']}" if "error" in outcome else ""
+        log(f"{job.model} {job.run}: {length} tokens: {outcome['status']} "
+            f"({outcome['seconds']:.0f} s{error})")  # fmt: skip
+        if outcome.get("left_allocated_bytes", 0) > LEFTOVER_BYTES:
+            state["fresh_process"] = True
+            return state
+    state["stopped"] = f"--max-probes {max_probes}"
+    return state
+
+
+def search_all(task: dict, save) -> dict:
+    """The searches of ``task["jobs"]`` one after the other in this process, each until its
+    own deadline; ``save(states)`` after each probe's search step, so that a process that dies
+    leaves what it found. Stops early, with ``fresh_process``, when memory did not come back."""
+    states = task["states"]
+    for fields in task["jobs"]:
+        job = Job(**fields)
+        key = search_key(job)
+        if states[key].get("stopped"):
+            continue
+        states[key]["in_progress"] = True
+        save(states)
+        state = search(
+            job, states[key], task["limit"], task["resolution"], task["max_probes"],
+            task["deadlines"][key],
+        )  # fmt: skip
+        state.pop("in_progress", None)
+        save(states)
+        if state["fresh_process"]:
+            return {"states": states, "fresh_process": True}
+    return {"states": states, "fresh_process": False}
+
+
+def search_key(job: Job) -> str:
+    return f"{job.model}_{job.run}"
+
+
+# --------------------------------------------------------------------------------------------
+# Driver: one process per run or search
+
+
+def run_worker(task: dict, isolate: bool) -> dict:
+    """``task`` in a subprocess of this script (``isolate``) or here; its result (what a
+    process that died had saved, with ``"died"``)."""
+    if not isolate:
+        return worker(task)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "task.json"
+        path.write_text(json.dumps(task))
+        done = subprocess.run([sys.executable, __file__, "--worker", str(path)], check=False)
+        result_path = path.with_suffix(".result.json")
+        result = json.loads(result_path.read_text()) if result_path.exists() else {}
+        if done.returncode != 0:
+            result["died"] = f"the worker process ended with status {done.returncode}"
+        return result or {"error": f"the worker process ended with status {done.returncode}"}
+
+
+def worker(task: dict, result_path: Path | None = None) -> dict:
+    try:
+        if task["kind"] == "environment":
+            return harness.environment(torch.device(task["device"]), DISTRIBUTIONS)
+        if task["kind"] == "throughput":
+            return throughput_run(Job(**task["job"]))
+
+        def save(states):
+            if result_path is not None:
+                harness.write_json(result_path, {"states": states, "fresh_process": False})
+
+        return search_all(task, save)
+    except Exception as error:  # noqa: BLE001 - reported in the results
+        import traceback
+
+        traceback.print_exc()
+        return {"error": harness.error_text(error)}
+
+
+def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
+    runs, skipped = {}, {}
+    for job in jobs:
+        if time.time() > deadline:
+            skipped[job.run] = f"not started: past --seconds {args.seconds:.0f}"
+            log(f"{job.run}: {skipped[job.run]}")
+            continue
+        task = {"kind": "throughput", "device": args.device, "job": dataclasses.asdict(job)}
+        runs[job.run] = run_worker(task, args.isolate)
+        if "died" in runs[job.run]:
+            runs[job.run] = {"error": runs[job.run]["died"]}
+        harness.write_json(out / f"trl_steps_{job.model}_{job.run}_{slug}.json", runs[job.run])
+    return {"runs": runs, "skipped_runs": skipped}
+
+
+def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
+    """Every search in one worker process (Liger's last), each until its share of the time:
+    search ``i`` of ``n`` ends by ``start + (i + 1) / n`` of the budget, so unused time passes
+    on. A fresh process goes on where memory did not come back after a probe, or the process
+    died (the search it was in stops there)."""
+    start = time.time()
+    states = {search_key(job): {"probes": []} for job in jobs}
+    deadlines = {
+        search_key(job): start + (deadline - start) * (index + 1) / len(jobs)
+        for index, job in enumerate(jobs)
+    }
+    while any(not state.get("stopped") for state in states.values()):
+        task = {
+            "kind": "searches", "device": args.device, "states": states,
+            "jobs": [dataclasses.asdict(job) for job in jobs], "deadlines": deadlines,
+            "limit": args.max_row, "resolution": args.resolution, "max_probes": args.max_probes,
+        }  # fmt: skip
+        answer = run_worker(task, args.isolate)
+        states = answer.get("states", states)
+        problem = answer.get("died") or answer.get("error")
+        if problem is not None:
+            # the search the process was in stops; the others go on in a fresh one
+            current = [k for k, s in states.items() if s.pop("in_progress", False)]
+            for key in current or [k for k, s in states.items() if not s.get("stopped")]:
+                states[key]["stopped"] = f"worker: {problem}"
+            log(f"searches: {problem}")
+            continue
+        if answer.get("fresh_process"):
+            log("memory did not come back after a probe: a fresh process goes on")
+    searches = {}
+    for job in jobs:
+        key, state = search_key(job), states[search_key(job)]
+        fits = [p["row_length"] for p in state["probes"] if p["status"] == "fits"]
+        fails = [p["row_length"] for p in state["probes"] if p["status"] == "oom"]
+        searches[key] = state | {
+            "run": job.run,
+            "label": RUNS[job.run],
+            "model": job.model,
+            "lora": job.lora,
+            "longest_fits": max(fits, default=None),
+            "shortest_fails": min(fails, default=None),
+        }
+        harness.write_json(out / f"trl_longest_{key}_{slug}.json", searches[key])
+        log(f"{key}: longest that fits {searches[key]['longest_fits']}, shortest that fails "
+            f"{searches[key]['shortest_fails']} ({state.get('stopped')})")  # fmt: skip
+    return {"searches": searches}
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    add = parser.add_argument
+    add("--worker", type=Path, help=argparse.SUPPRESS)
+    add("--longest", action="store_true", help="the longest-row search")
+    add("--model", nargs="+", choices=tuple(MODELS), help="default: 1b; --longest: 1b 8b")
+    add("--device", choices=("cuda", "cpu"), default="cuda")
+    add("--runs", nargs="+", choices=tuple(RUNS), default=list(DEFAULT_RUNS))
+    add("--attention", choices=("sdpa", "flex_attention"),
+        help="default: sdpa; --longest on CUDA: flex_attention")  # fmt: skip
+    add("--row-length", type=int, help="tokens per row (8192, tiny 256); --longest: the first")
+    add("--warmup", type=int, default=3, help="warm-up steps per run, reported apart")
+    add("--max-steps", type=int, default=20, help="steady steps per run")
+    add("--gradient-checkpointing", action="store_true", help="on in the throughput runs too")
+    add("--profile", action="store_true", help="profile one more step after the steady ones")
+    add("--skip-lora", action="store_true", help="--longest: leave out the 8b LoRA searches")
+    add("--probe-steps", type=int, default=2, help="--longest: steps per probe")
+    add("--max-probes", type=int, default=10, help="--longest: probes per search")
+    add("--max-row", type=int, default=1 << 20, help="--longest: the longest row probed")
+    add("--resolution", type=float, default=0.125,
+        help="--longest: stop at a gap of at most this share of the longest that fits")  # fmt: skip
+    add("--seconds", type=float, default=480.0, help="no run, search or probe starts later")
+    add("--isolate", action=argparse.BooleanOptionalAction,
+        help="each run or search in a process of its own (default: on CUDA)")  # fmt: skip
+    add("--out", type=Path, help="output folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return args
+    for name in ("warmup", "max_steps", "probe_steps", "max_probes", "row_length", "seconds"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_trl: no CUDA device: run on a GPU machine, or --model tiny --device cpu")
+    if args.attention is None:
+        flex = args.longest and args.device == "cuda"
+        args.attention = "flex_attention" if flex else "sdpa"
+    if args.attention == "flex_attention" and args.device == "cpu":
+        sys.exit("bench_trl: flex attention trains on CUDA only: use sdpa on the CPU")
+    args.model = args.model or (["1b", "8b"] if args.longest else ["1b"])
+    if args.isolate is None:
+        args.isolate = args.device == "cuda"
+    return args
+
+
+def make_jobs(args) -> list[Job]:
+    jobs = []
+    runs = sorted(args.runs, key=list(RUNS).index)
+    for model in args.model:
+        lora = args.longest and model == "8b"
+        if lora and args.skip_lora:
+            continue
+        for run in runs:
+            jobs.append(
+                Job(
+                    run=run,
+                    model=model,
+                    device=args.device,
+                    attention=args.attention,
+                    row_length=args.row_length or (256 if model == "tiny" else 8192),
+                    warmup=0 if args.longest else args.warmup,
+                    steps=args.probe_steps if args.longest else args.max_steps,
+                    gradient_checkpointing=args.longest or args.gradient_checkpointing,
+                    lora=lora,
+                    profile=args.profile and not args.longest,
+                    pad_rows=args.longest or args.attention == "flex_attention",
+                )
+            )
+    # Liger patches transformers' Llama module for the whole process: its runs come last
+    return sorted(jobs, key=lambda job: job.run.endswith("_liger"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        task = json.loads(args.worker.read_text())
+        if task["device"] == "cpu":
+            torch.set_num_threads(1)  # the tiny model's matrices: threads only spin
+        result_path = args.worker.with_suffix(".result.json")
+        harness.write_json(result_path, worker(task, result_path))
+        return 0
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    import make_tables
+
+    start = time.time()
+    deadline = start + args.seconds
+    out = args.out or Path(tempfile.gettempdir()) / "packed_ce_bench"
+    jobs = make_jobs(args)
+    if not jobs:
+        sys.exit("bench_trl: nothing to run (--skip-lora leaves no 8b search)")
+    # read in a worker when the runs have theirs: a CUDA context here would hold memory that
+    # the runs and probes then lack
+    env = run_worker({"kind": "environment", "device": args.device}, args.isolate)
+    if "error" in env:
+        sys.exit(f"bench_trl: {env['error']}")
+    slug = harness.device_slug(env)
+    where = "in subprocesses" if args.isolate else "in this process"
+    what = "searches" if args.longest else "runs"
+    log(f"{env['device_name']}, torch {torch.__version__}: {len(jobs)} {what}, {where}")
+    benchmark = "trl_longest" if args.longest else "trl_steps"
+    body = (run_longest if args.longest else run_throughput)(args, jobs, deadline, out, slug)
+    result = {
+        "benchmark": benchmark,
+        "mode": "tiny" if args.model == ["tiny"] else "full",
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "environment": env,
+        "models": {name: MODELS[name] for name in args.model},
+        "attention": args.attention,
+        "seconds": time.time() - start,
+        **body,
+    }
+    if args.longest:
+        result["probe_steps"] = args.probe_steps
+        result["lora"] = LORA
+    else:
+        result["warmup_steps"] = args.warmup
+        result["gradient_checkpointing"] = args.gradient_checkpointing
+    models = "_".join(args.model)
+    attention = "" if args.attention == "sdpa" else f"_{args.attention}"
+    path = harness.write_json(out / f"{benchmark}_{models}{attention}_{slug}.json", result)
+    report = (make_tables.trl_longest_report if args.longest else make_tables.trl_steps_report)(
+        result
+    )
+    path.with_suffix(".md").write_text(report + "\n")
+    print(f"\nwrote {path} and {path.with_suffix('.md')}\n")
+    print(report, flush=True)
+    failed = [
+        name
+        for name, run in body.get("runs", {}).items()
+        if "error" in run or not run["check"]["passed"]
+    ]
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (an error, or the objective check)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

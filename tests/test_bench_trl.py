@@ -1,0 +1,221 @@
+"""``benchmarks/bench_trl.py --model tiny --device cpu`` end to end: whole trl steps of both
+trainers, the objective check on their first step, the profile's fields, the longest-row search
+in a subprocess, and the tables ``make_tables.py`` renders from these results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def run_script(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_trl.py"), "--model", "tiny", "--device", device,
+         *args],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def benchmarks_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+
+
+def check_runs(result: dict, names: set[str], device: str = "cpu") -> None:
+    assert set(result["runs"]) == names and result["skipped_runs"] == {}
+    for name, run in result["runs"].items():
+        assert "error" not in run, run
+        assert len(run["warmup_seconds"]) == result["warmup_steps"] == 1
+        assert len(run["step_seconds"]) == len(run["step_real_tokens"]) == 2
+        assert run["tokens_per_second"] > 0 and 0 < run["real_tokens_per_step"] <= 256
+        # the first step's loss is the objective of its trainer, from the same initial weights
+        check = run["check"]
+        expected = "token_mean" if name.startswith("stock") else "per_conversation_mean"
+        assert check["expected"] == expected and check["passed"], check
+        assert check["first_step_loss"] == run["losses"][0]
+        profile = run["profile"]
+        assert profile["wall_ms"] > 0 and "Self CPU" in profile["table"]
+        if device == "cuda":  # bf16: within the check's own tolerance
+            assert check["rel_diff_expected"] <= check["tolerance"] == 2e-3
+            assert profile["device_ms"] > 0 and "Self CUDA" in profile["table"]
+            continue
+        # float32 on the CPU: rounding apart, and the two objectives far further apart
+        assert check["rel_diff_expected"] < 1e-5
+        assert check["separation"] > 100 * check["rel_diff_expected"]
+        assert check["rel_diff_other"] > 0.5 * check["separation"]
+        assert profile["own_ms"] == 0.0  # no device kernels on the CPU
+    first = [run["check"] for run in result["runs"].values()]
+    # every run saw the same first batch
+    assert len({(c["per_conversation_mean"], c["token_mean"], c["targets"]) for c in first}) == 1
+
+
+@pytest.mark.slow  # about 15 s, most of it importing trl and transformers
+def test_tiny_runs_time_both_trainers_and_check_their_objectives(tmp_path, benchmarks_path):
+    done = run_script(
+        "--runs", "stock", "packed", "--warmup", "1", "--max-steps", "2", "--profile",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "trl_steps_tiny_cpu.json").read_text())
+    assert result["benchmark"] == "trl_steps" and result["mode"] == "tiny"
+    # PackedSFTTrainer first whatever the order asked for; each run also has a file of its own
+    assert list(result["runs"]) == ["packed", "stock"]
+    for name in result["runs"]:
+        assert json.loads((tmp_path / f"trl_steps_tiny_{name}_cpu.json").read_text())["run"] == name
+    check_runs(result, {"packed", "stock"})
+    packed, stock = (result["runs"][name]["check"] for name in ("packed", "stock"))
+    assert packed["first_step_loss"] != stock["first_step_loss"]
+
+    # the table printed last is make_tables' report of this result
+    import make_tables
+
+    table = make_tables.trl_steps_report(result)
+    assert done.stdout.rstrip().endswith(table.splitlines()[-1])
+    assert "| PackedSFTTrainer (defaults" in table and "per conversation mean: passed" in table
+    assert "| 1.000x |" in table  # stock against itself
+    # tiny numbers never reach the README; a full result of the same shape does
+    assert "Whole trl steps" not in make_tables.readme_section(tmp_path)
+    (tmp_path / "trl_steps_tiny_cpu.json").write_text(json.dumps(result | {"mode": "full"}))
+    assert "### Whole trl steps, cpu" in make_tables.readme_section(tmp_path)
+
+
+@pytest.mark.slow
+def test_liger_runs(tmp_path):
+    pytest.importorskip("liger_kernel")
+    import torch
+
+    if not torch.cuda.is_available():  # the Triton interpreter cannot run Liger's kernels
+        pytest.skip("Liger-Kernel's kernels need a GPU")
+    done = run_script(
+        "--runs", "packed_liger", "stock_liger", "--warmup", "1", "--max-steps", "2",
+        "--profile", "--out", str(tmp_path), device="cuda",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the file of all runs, beside one per run
+    results = [json.loads(path.read_text()) for path in tmp_path.glob("trl_steps_tiny_*.json")]
+    (result,) = [result for result in results if "runs" in result]
+    check_runs(result, {"packed_liger", "stock_liger"}, device="cuda")
+
+
+@pytest.mark.slow  # about 12 s: the search runs in a subprocess of its own
+def test_longest_row_search_in_a_subprocess(tmp_path, benchmarks_path):
+    done = run_script(
+        "--longest", "--runs", "stock", "--max-row", "512", "--isolate", "--out", str(tmp_path)
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "trl_longest_tiny_cpu.json").read_text())
+    found = result["searches"]["tiny_stock"]
+    # nothing runs out of memory on the CPU: doubling stops at --max-row
+    assert [(p["row_length"], p["status"]) for p in found["probes"]] == [
+        (256, "fits"),
+        (512, "fits"),
+    ]
+    assert found["longest_fits"] == 512 and found["shortest_fails"] is None
+    assert found["stopped"] == "reached --max-row 512" and not found["fresh_process"]
+    # every probed row was padded to its length, with real tokens in each of the 2 steps
+    assert all(len(p["real_tokens"]) == result["probe_steps"] == 2 for p in found["probes"])
+    import make_tables
+
+    assert "| tiny | trl SFTTrainer (stock nll" in make_tables.trl_longest_report(result)
+
+
+def test_the_search_doubles_then_bisects(benchmarks_path):
+    from bench_trl import next_length
+
+    def probes(capacity: int, start: int = 8192, limit: int = 1 << 20) -> list[int]:
+        """The lengths probed, in order, on a device where rows up to ``capacity`` fit."""
+        fits, fails, order = [], [], []
+        while (length := next_length(fits, fails, start, limit, 0.125)) is not None:
+            (fits if length <= capacity else fails).append(length)
+            order.append(length)
+        return order
+
+    # 8192 .. 65536 fit, 131072 fails; then multiples of 1024 halfway, until the gap between
+    # the longest that fits (98304) and the shortest that fails (106496) is <= 1/8 of the first
+    assert probes(100_000) == [8192, 16384, 32768, 65536, 131072, 98304, 114688, 106496]
+    # the start fails: halve, down to 1024 tokens, then bisect to 1024 tokens
+    assert probes(3000) == [8192, 4096, 2048, 3072]
+    assert probes(500) == [8192, 4096, 2048, 1024]
+    # nothing fails up to the limit
+    assert probes(10**9, limit=32768) == [8192, 16384, 32768]
+
+
+def test_objective_check_tells_the_two_means_apart(benchmarks_path):
+    from bench_trl import objective_check
+
+    reference = {"conversations": 3, "targets": 90, "per_conversation_mean": 2.0, "token_mean": 2.1}
+    assert objective_check("packed", 2.0, reference, 1e-4)["passed"]
+    assert not objective_check("packed", 2.1, reference, 1e-4)["passed"]
+    assert objective_check("stock_liger", 2.1, reference, 1e-4)["passed"]
+    assert not objective_check("stock", 2.0, reference, 1e-4)["passed"]
+    # within tolerance of both, but closer to the wrong one: not passed
+    close = reference | {"token_mean": 2.0001}
+    assert not objective_check("packed", 2.0001, close, 1e-3)["passed"]
+
+
+def test_searches_go_on_after_memory_stays_allocated_and_after_a_failure(
+    benchmarks_path, monkeypatch, tmp_path
+):
+    """The driver with probes stood in for: rows fit up to a capacity per run; the second
+    probe leaves memory allocated (a fresh worker goes on), and one search's probe raises."""
+    import bench_trl
+
+    capacity = {"packed": 40_000, "stock": 20_000}
+    made = []
+
+    def probe(job):
+        made.append((job.run, job.row_length))
+        if job.run == "stock_liger":
+            raise RuntimeError("the worker fails")
+        fits = job.row_length <= capacity[job.run]
+        return {
+            "row_length": job.row_length, "status": "fits" if fits else "oom", "seconds": 1.0,
+            "setup_seconds": 0.5, "step_seconds": [0.2, 0.2],
+            "left_allocated_bytes": 2**30 if len(made) == 2 else 0,
+        }  # fmt: skip
+
+    monkeypatch.setattr(bench_trl, "probe", probe)
+    args = bench_trl.parse_args(
+        ["--longest", "--model", "tiny", "--device", "cpu", "--runs", "stock_liger", "stock",
+         "packed", "--row-length", "8192", "--no-isolate", "--out", str(tmp_path)]
+    )  # fmt: skip
+    jobs = bench_trl.make_jobs(args)
+    assert [job.run for job in jobs] == ["packed", "stock", "stock_liger"]  # Liger's last
+    found = bench_trl.run_longest(args, jobs, time.time() + 60, tmp_path, "cpu")["searches"]
+    packed, stock, liger = (found[f"tiny_{run}"] for run in ("packed", "stock", "stock_liger"))
+    assert [p["row_length"] for p in packed["probes"]] == [
+        8192, 16384, 32768, 65536, 49152, 40960, 36864,
+    ]  # fmt: skip
+    assert (packed["longest_fits"], packed["shortest_fails"]) == (36864, 40960)
+    assert (stock["longest_fits"], stock["shortest_fails"]) == (18432, 20480)
+    assert packed["stopped"] == stock["stopped"] == "done"
+    assert liger["probes"] == [] and liger["stopped"] == "worker: RuntimeError: the worker fails"
+    assert json.loads((tmp_path / "trl_longest_tiny_stock_cpu.json").read_text())["run"] == "stock"
+
+
+def test_without_cuda_the_gpu_run_refuses_in_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_trl.py")],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().count("\n") == 0 and "no CUDA device" in done.stderr, done.stderr
