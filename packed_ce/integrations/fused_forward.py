@@ -9,6 +9,7 @@ base model's ``forward`` directly (``self.model.forward(...)``), past the hooks 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 from torch import nn
@@ -79,34 +80,41 @@ def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
     kwargs = checked_call(model, args, kwargs)
     labels = kwargs.get("labels")
     fused = installation.fused_options is not None
-    # the decoder runs on behalf of the packed loss (refuse_bypass); kept on the decoder itself so
-    # that a copy of the model (copy.deepcopy) counts its own calls
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    decoder._packed_ce_calls = decoder.__dict__.get("_packed_ce_calls", 0) + 1
-    try:
-        if not fused or args or labels is None or not model.training:
-            return _own_forward(model, installation)(*args, **kwargs)
-        return _fused_linear_forward(model, installation, kwargs)
-    finally:
-        decoder._packed_ce_calls -= 1
+    if not fused or args or labels is None or not model.training:
+        return _own_forward(model, installation)(*args, **kwargs)
+    return _fused_linear_forward(model, installation, kwargs)
+
+
+# How many frames above the decoder's pre-hook trl's fused forward can be: the hook is called by
+# Module._call_impl, called by Module._wrapped_call_impl, called by trl's forward (a margin).
+_TRL_FRAME_DEPTH = 6
 
 
 def refuse_bypass(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The decoder's forward pre-hook: refuses a training pass that skips the packed loss.
+    """The decoder's forward pre-hook: refuses trl's fused LM head on a model with the packed loss.
 
-    trl's ``SFTTrainer`` (``fused_lm_head=True``) wraps the model's forward and runs the decoder
-    and its own LM-head loss without calling the model's forward: around a PEFT adapter, which
-    calls ``forward`` directly, no check on the model's call sees it, and the step would
-    silently train on trl's token mean. Every such path runs the decoder, so it is caught here:
-    in training mode the decoder may only run inside the installed forward.
+    trl's ``SFTTrainer`` wraps the model's forward; with ``fused_lm_head=True`` it runs the
+    decoder and its own LM-head loss without calling the forward underneath. Around a PEFT
+    adapter, which calls ``forward`` directly, no check on the model's call sees it, and the
+    step would silently train on trl's token mean; but it runs the decoder, from trl's forward a
+    few frames up, which is found here (training calls only).
     """
-    if decoder.training and not decoder.__dict__.get("_packed_ce_calls", 0):
-        raise ValueError(
-            "this model has the packed loss (apply_packed_loss), but its decoder ran in training "
-            "mode outside the model's forward (e.g. trl's fused LM head, which computes trl's own "
-            "token mean): train with packed_ce.integrations.PackedSFTTrainer instead of "
-            "trl.SFTTrainer"
-        )
+    if not decoder.training:
+        return
+    frame = sys._getframe(1)
+    for _ in range(_TRL_FRAME_DEPTH):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "_fused_forward" and frame.f_locals.get("fused_lm_head"):
+            break
+        frame = frame.f_back
+    else:
+        return
+    raise ValueError(
+        "this model has the packed loss (apply_packed_loss), but trl's fused_lm_head=True runs "
+        "its decoder and computes trl's own token mean without calling the packed loss: train "
+        "with packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
+    )
 
 
 def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):

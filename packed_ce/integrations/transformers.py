@@ -160,7 +160,6 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
         target.forward = installation.previous_forward
     if installation.decoder_hook is not None:
         installation.decoder_hook.remove()
-        target.get_decoder().__dict__.pop("_packed_ce_calls", None)
     if installation.previous_loss_function is MISSING:
         del target._loss_function
     else:
