@@ -26,7 +26,9 @@ from ..runtime import interpreting
 from ..validation import RECORD_FIELDS
 
 
-@triton.jit
+# N and S vary with every batch: specialising on their divisibility by 16 would compile a new
+# variant whenever a batch first flips it (seen as 2 s steps inside a trained run)
+@triton.jit(do_not_specialize=["N", "num_bounds"])
 def _value_checks_kernel(
     # data ptrs
     labels_ptr,  # (N,) int8/uint8/int16/int32/int64 labels, flattened

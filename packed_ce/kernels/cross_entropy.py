@@ -268,7 +268,7 @@ def _cross_entropy_kernel(
                 tl.store(grad_row + start + cols, zeros, mask=start + cols < V)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # N varies with every batch: one compile, not one per N % 16
 def _scale_rows_kernel(
     # data ptrs
     grad_ptr,  # (N, V) fp32/bf16/fp16, scaled in place

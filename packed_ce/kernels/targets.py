@@ -26,7 +26,7 @@ from ..runtime import interpreting
         "HAS_SEQ_WEIGHTS": lambda args: args["seq_weights_ptr"] is not None,
     }
 )
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # N varies with every batch: one compile, not one per N % 16
 def _sequence_targets_kernel(
     # data ptrs
     labels_ptr,  # (N,) int64 labels, aligned with the inputs if SHIFT
@@ -146,7 +146,7 @@ def sequence_targets(
     return targets, weight, num_items
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # N varies with every batch: one compile, not one per N % 16
 def _normalise_kernel(
     weight_ptr,  # (N,) fp32 w_t
     count_ptr,  # () D, any real dtype
