@@ -154,8 +154,9 @@ def _targets_and_weights(
     # A malformed cu_seqlens (validation off) may have S = 0 while sequence_ids gives its
     # tokens slot 0: that slot weighs 0 (as in the kernel) and indexing stays in range.
     per_target = torch.nn.functional.pad(per_target, (0, num_slots - per_target.numel()))
-    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0
-    weight = valid * per_target[seq]
+    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0 (selected, not multiplied:
+    # a sequence without a target may weigh inf / m_s once divided by a tiny D; the kernel too)
+    weight = torch.where(has_target, per_target[seq], 0.0)
     if seq_targets is None and seq_weights is None:
         # D: the sequences with a target, an exact integer count
         return targets, weight, share.sum()

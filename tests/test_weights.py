@@ -470,6 +470,21 @@ def test_weights_of_any_scale_give_the_exact_mean(backend, scale, is_packed, per
 
 
 @pytest.mark.parametrize("preparation", PREPARATIONS[:2])
+def test_a_heavy_sequence_without_a_target_weighs_nothing(preparation):
+    """A sequence without a target weighing 3e38 beside weights of 1e-10: divided by the mass it
+    overflows float32, but its tokens have no target, so it changes nothing (no 0 * inf = NaN)."""
+    use_kernel, device = preparation
+    labels = torch.tensor(LABELS, device=device)
+    labels[5] = -100  # the middle sequence (tokens 3-5) loses its one target
+    keywords = dict(cu_seqlens=torch.tensor(CU_SEQLENS, device=device), is_packed=True, shift=True,
+                    seq_targets=torch.tensor(SEQ_TARGETS, device=device))
+    heavy = prepare_targets(labels, use_kernel=use_kernel, seq_weights=torch.tensor([1e-10, 3e38, 3e-10], device=device), **keywords)
+    plain = prepare_targets(labels, use_kernel=use_kernel, seq_weights=torch.tensor([1.0, 0.0, 3.0], device=device), **keywords)
+    assert heavy.coef.isfinite().all()
+    torch.testing.assert_close(heavy.coef, plain.coef, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("preparation", PREPARATIONS[:2])
 def test_weights_over_a_zero_or_bad_mass(preparation):
     """Divided by the mass in float64 before the kernels see them, the weights keep the
     normaliser's rules: a zero mass gives zero coefficients, a negative or non-finite
