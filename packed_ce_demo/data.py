@@ -42,10 +42,11 @@ def naming_flag(flag: str, value: str | None) -> Iterator[None]:
         text = (str(error).strip().splitlines() or [type(error).__name__])[0]
         if f"`{flag}`" in text:
             raise
-        if os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(str(value)).expanduser().exists():
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        if offline and value is not None and not Path(value).expanduser().exists():
             text = (
-                f"not a local path, and not in the local hub cache while the hub is offline "
-                f"(HF_HUB_OFFLINE=1: unset, or the hub could not be reached): pass {LOCAL_HINTS[flag]}"
+                "not a local path, and not in the local hub cache while the hub is offline "
+                f"(unreachable, or HF_HUB_OFFLINE=1 set): pass {LOCAL_HINTS[flag]}"
             )
         named = re.match(r"`\w+` ", text)
         text = f"`{flag}` {text[named.end():]}" if named else f"`{flag}` {value!r}: {text}"
