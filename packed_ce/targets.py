@@ -187,6 +187,9 @@ def _weights_over_mass(
             labels, boundaries.cu_seqlens, shift=options.shift, ignore_index=options.ignore_index
         )
         _, share = _per_target_and_share(n_s, boundaries.seq_targets, options.is_packed, torch.float64)
+        # a sequence without a target has no part in the mean: weight 0, so that its a_s / D
+        # never overflows dtype (0 * inf = NaN in the weight mass of the kernel)
+        weights = torch.where(share > 0, weights, 0.0)
         mass = (weights * share).sum()
     elif isinstance(mass, torch.Tensor):
         mass = mass.reshape(()).to(device=weights.device, dtype=torch.float64)
