@@ -4,6 +4,11 @@ The ``# %%`` script ``packed_vs_unpacked.py`` is the source that gets reviewed; 
 made from it (``# %% [markdown]`` cells become markdown, ``# %%`` cells code) and executed
 with nbclient, its outputs written into the ``.ipynb`` next to it. ``make notebook`` runs this.
 
+The file it writes depends only on the script and what the cells print: cell ids are numbered,
+no execution timestamps are recorded and consecutive stream outputs are merged (how a kernel
+splits them depends on timing), so running it twice gives the same bytes and, on a clean
+clone, leaves ``git status`` clean.
+
 Usage::
 
     python notebooks/execute.py            # rebuild from the script, execute, save in place
@@ -14,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -50,13 +54,15 @@ def cells_from_script(script: Path) -> list[nbformat.NotebookNode]:
         else:
             lines.append(line)
     close()
+    for number, cell in enumerate(cells):
+        cell.id = f"cell-{number:02d}"  # nbformat draws random ids: a diff on every run
     return cells
 
 
 def in_sync(notebook: nbformat.NotebookNode, script: Path) -> bool:
-    """True if the notebook's cells are the script's (outputs aside)."""
-    expected = [(cell.cell_type, cell.source) for cell in cells_from_script(script)]
-    return [(cell.cell_type, cell.source) for cell in notebook.cells] == expected
+    """True if the notebook's cells are the script's, with their ids (outputs aside)."""
+    expected = [(cell.id, cell.cell_type, cell.source) for cell in cells_from_script(script)]
+    return [(cell.get("id"), cell.cell_type, cell.source) for cell in notebook.cells] == expected
 
 
 def build(script: Path) -> nbformat.NotebookNode:
@@ -70,21 +76,23 @@ def build(script: Path) -> nbformat.NotebookNode:
     return notebook
 
 
-def execute(notebook: nbformat.NotebookNode, *, timeout: int = 300) -> float:
-    """Runs every cell with the current Python in the repository root; returns the seconds taken.
+def execute(notebook: nbformat.NotebookNode, *, timeout: int = 300) -> None:
+    """Runs every cell with the current Python in the repository root, outputs into ``notebook``.
 
     Raises:
         nbclient.exceptions.CellExecutionError: with the failing cell's traceback.
     """
-    start = time.perf_counter()
     client = NotebookClient(
         notebook,
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": str(REPO)}},  # so that collators and packed_ce import
+        record_timing=False,  # timestamps in every cell's metadata would change on every run
+        coalesce_streams=True,  # one output per stream, however the kernel flushed it
     )
     client.execute()
-    return time.perf_counter() - start
+    # the kernel writes its Python version here: the file would change with the machine
+    notebook.metadata.language_info = {"name": "python"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{NOTEBOOK.name} is out of date: run python notebooks/execute.py", file=sys.stderr)
         return 1
     notebook = build(SCRIPT)
-    seconds = execute(notebook)
+    execute(notebook)
     nbformat.write(notebook, NOTEBOOK)
-    print(f"executed {NOTEBOOK.relative_to(REPO)} in {seconds:.0f} s")
+    print(f"executed {NOTEBOOK.relative_to(REPO)}")
     return 0
 
 

@@ -59,8 +59,8 @@ from packed_ce_demo import (
     train_runs,
 )
 
-datasets.disable_progress_bars()
 torch.manual_seed(0)
+datasets.disable_progress_bars()  # last: the cell shows no value (a Generator's address would change)
 
 # %% [markdown]
 # ## 1. Conversations, tokenized and packed

@@ -63,7 +63,8 @@ def cross_entropy(
             conversation each sequence is a piece of, ``>= 1`` and at least the sequence's own
             count (``PackedCollator`` and ``collators.shard_batch`` return it).
         seq_weights: ``(S,)`` float, aligned with ``cu_seqlens`` (needed), finite, ``>= 0``,
-            not requiring a gradient: each sequence's conversation weight.
+            not requiring a gradient: each sequence's conversation weight, of any scale ("mean"
+            divides them by ``D`` in float64 first: a mass outside float32's range is exact).
         options: a :class:`packed_ce.LossOptions`; the keywords below override its fields.
         **keywords: the fields of :class:`packed_ce.LossOptions`: ``is_packed=False``,
             ``shift=False``, ``ignore_index=-100``, ``reduction="mean"``,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
-from .validation import check_labels, check_tensor, clamp_cu_seqlens, is_tracing
+from .validation import check_labels, check_tensor, clamp_cu_seqlens, is_tracing, own_targets
 
 
 @dataclass
@@ -93,6 +93,22 @@ def sequence_ids(
     return seq, max(rows, 1)
 
 
+def _per_target_and_share(
+    n_s: torch.Tensor, seq_targets: torch.Tensor | None, is_packed: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unweighted ``1 / m_s`` (``(S,)`` of ``dtype``; 0-d 1 with ``is_packed=False``) and each
+    sequence's share of ``D`` (``n_s / m_s``, or ``n_s``), from the ``(S,)`` int64 counts ``n_s``."""
+    if not is_packed:
+        return torch.ones((), dtype=dtype, device=n_s.device), n_s
+    # m_s; clamped to >= 1 (a bad seq_targets when validation is off): never 0 * inf = NaN
+    # for the tokens without a target. The kernel clamps the same way.
+    whole = n_s if seq_targets is None else seq_targets.to(torch.int64)
+    per_target = 1.0 / whole.clamp(min=1).to(dtype)
+    # n_s / m_s: 1 for a whole sequence with a target, its share of a split conversation
+    share = (n_s > 0) if seq_targets is None else n_s.to(dtype) * per_target
+    return per_target, share
+
+
 def _targets_and_weights(
     labels: torch.Tensor,
     boundaries: Boundaries,
@@ -131,28 +147,60 @@ def _targets_and_weights(
 
     n_s = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)
     n_s.index_add_(0, seq, has_target.to(torch.int64))
-    if options.is_packed:
-        # m_s; clamped to >= 1 (a bad seq_targets when validation is off): never 0 * inf = NaN
-        # for the tokens without a target. The kernel clamps the same way.
-        whole = n_s if seq_targets is None else seq_targets.to(torch.int64)
-        per_target = 1.0 / whole.clamp(min=1).to(dtype)
-        # n_s / m_s: 1 for a whole sequence with a target, its share of a split conversation
-        share = (n_s > 0) if seq_targets is None else n_s.to(dtype) * per_target
-    else:
-        per_target, share = torch.ones((), dtype=dtype, device=flat.device), n_s
+    per_target, share = _per_target_and_share(n_s, seq_targets, options.is_packed, dtype)
     if seq_weights is not None:
         a_s = seq_weights.detach().to(dtype)
         per_target, share = a_s * per_target, a_s * share
     # A malformed cu_seqlens (validation off) may have S = 0 while sequence_ids gives its
     # tokens slot 0: that slot weighs 0 (as in the kernel) and indexing stays in range.
     per_target = torch.nn.functional.pad(per_target, (0, num_slots - per_target.numel()))
-    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0
-    weight = valid * per_target[seq]
+    # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0 (selected, not multiplied:
+    # a sequence without a target may weigh inf / m_s once divided by a tiny D; the kernel too)
+    weight = torch.where(has_target, per_target[seq], 0.0)
     if seq_targets is None and seq_weights is None:
         # D: the sequences with a target, an exact integer count
         return targets, weight, share.sum()
     # D: the weight mass sum_s a_s n_s / m_s (packed) or sum_s a_s n_s, = sum_t w_t
     return targets, weight, share.to(dtype).sum()
+
+
+def _weights_over_mass(
+    labels: torch.Tensor, boundaries: Boundaries, options: LossOptions, dtype: torch.dtype
+) -> Boundaries:
+    """``boundaries`` for reduction "mean" with ``seq_weights``: the weights divided by ``D`` in
+    float64, and ``num_items_in_batch`` replaced by what is left of ``D`` (1, or the 0 / NaN of a
+    zero or bad ``D``).
+
+    The mean does not depend on the weights' scale, but a mass formed in float32 does: two
+    weights of 3e38 add up to inf (a NaN loss), and weights of 1e-40 (float32 subnormals) lose
+    their digits, or a mass below the normaliser's clamp of 1e-30 scales the loss, before the
+    division. ``a_s / D`` formed in float64 and rounded once to ``dtype`` is the sequence's
+    weight in the mean, so the coefficients ``a_s / (m_s D)`` are exact to ``dtype`` rounding
+    whatever the scale; ``D`` is the float64 mass ``sum_s a_s n_s / m_s`` (``sum_s a_s n_s``
+    with ``is_packed=False``) or the caller's ``num_items_in_batch`` as given (e.g. a step's
+    float64 :func:`count_normaliser`). A few launches on ``(S,)`` values, no host sync.
+    """
+    weights = boundaries.seq_weights.detach().to(torch.float64)  # (S,) a_s
+    mass = boundaries.num_items_in_batch
+    if mass is None:
+        n_s = own_targets(
+            labels, boundaries.cu_seqlens, shift=options.shift, ignore_index=options.ignore_index
+        )
+        _, share = _per_target_and_share(n_s, boundaries.seq_targets, options.is_packed, torch.float64)
+        # a sequence without a target has no part in the mean: weight 0, so that its a_s / D
+        # never overflows dtype (0 * inf = NaN in the weight mass of the kernel)
+        weights = torch.where(share > 0, weights, 0.0)
+        mass = (weights * share).sum()
+    elif isinstance(mass, torch.Tensor):
+        mass = mass.reshape(()).to(device=weights.device, dtype=torch.float64)
+    else:  # a fill kernel: torch.tensor(n, device=cuda) would be a blocking host copy
+        mass = torch.full((), float(mass), dtype=torch.float64, device=weights.device)
+    usable = torch.isfinite(mass) & (mass > 0)
+    weights = weights / torch.where(usable, mass, 1.0)
+    # The rest of D for the normaliser: 1 divides by nothing more; 0 (loss 0, zero gradients),
+    # a negative or non-finite D (NaN) keep their meaning there.
+    rest = torch.where(usable, 1.0, mass)
+    return dataclasses.replace(boundaries, seq_weights=weights.to(dtype), num_items_in_batch=rest)
 
 
 def count_normaliser(
@@ -296,6 +344,8 @@ def prepare_targets(
         # (a malformed cu_seqlens raises, and its call's loss is NaN): four launches saved per
         # call on the default path; the kernels stay memory-safe either way.
         boundaries = _clamped(boundaries, labels)
+    if options.reduction == "mean" and boundaries.seq_weights is not None:
+        boundaries = _weights_over_mass(labels, boundaries, options, dtype)
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.
     kernels = use_kernel and dtype == torch.float32 and not torch.compiler.is_compiling()
     if kernels and boundaries.cu_seqlens is not None:

@@ -11,37 +11,40 @@
 Needs the ``demo`` extra (``pip install packed-ce[demo]``: the corpus and matplotlib).
 """
 
-from .data import load_data, pack, pack_to_disk, split_rows
-from .models import build_model, load_model_config, tiny_config
-from .report import format_report, plot_losses, save_plot
-from .training import (
-    TOLERANCE,
-    Variant,
-    model_loss,
-    padded_loss,
-    per_sequence_mean_loss,
-    run_demo,
-    step_batches,
-    train_runs,
-)
+from __future__ import annotations
 
-__all__ = [
-    "TOLERANCE",
-    "Variant",
-    "build_model",
-    "format_report",
-    "load_data",
-    "load_model_config",
-    "model_loss",
-    "pack",
-    "pack_to_disk",
-    "padded_loss",
-    "per_sequence_mean_loss",
-    "plot_losses",
-    "run_demo",
-    "save_plot",
-    "split_rows",
-    "step_batches",
-    "tiny_config",
-    "train_runs",
-]
+import importlib
+
+# name -> module; imported on first use, so that `packed-ce --help` does not load torch
+_EXPORTS = {
+    **dict.fromkeys(
+        ["load_data", "naming_flag", "offline_unless_reachable", "pack", "pack_to_disk", "split_rows"],
+        "data",
+    ),
+    **dict.fromkeys(["build_model", "load_model_config", "tiny_config"], "models"),
+    **dict.fromkeys(["format_report", "plot_losses", "save_plot"], "report"),
+    **dict.fromkeys(
+        [
+            "TOLERANCE",
+            "Variant",
+            "model_loss",
+            "padded_loss",
+            "per_sequence_mean_loss",
+            "run_demo",
+            "step_batches",
+            "train_runs",
+        ],
+        "training",
+    ),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -18,6 +18,10 @@ TOKENIZER_HELP = (
 )
 
 
+# The library's names of the arguments the flags set, for its error messages.
+LIBRARY_NAMES = {"`max_length`": "`--max-length`", "`overflow`": "`--overflow`"}
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser whose usage errors are one line (exit status 2, as argparse's)."""
 
@@ -141,20 +145,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except (ValueError, TypeError, OSError) as error:
         # Bad data, paths or options: the message names the problem; a traceback would bury it.
-        lines = str(error).strip().splitlines() or [type(error).__name__]
-        print(f"packed-ce {args.command}: error: {lines[0]}", file=sys.stderr)
+        message = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        for name, flag in LIBRARY_NAMES.items():
+            message = message.replace(name, flag)
+        print(f"packed-ce {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
 def _run(args) -> int:
+    # Imported here, not at the top: `packed-ce --help` answers without loading torch.
     from collators.data import local_path
 
     import packed_ce_demo as demo
 
-    # A local path is checked here, so that a missing one is never looked up on a hub.
-    for option in ("dataset", "tokenizer", "model_config"):
-        if getattr(args, option, None) is not None:
-            local_path(getattr(args, option), "--" + option.replace("_", "-"))
+    # A local path is checked here, so that a missing one is never looked up on a hub; a hub
+    # name fails in seconds when the hub cannot be reached (only the local cache is read).
+    hub_names = [
+        option
+        for option in ("dataset", "tokenizer", "model_config")
+        if getattr(args, option, None) is not None
+        and local_path(getattr(args, option), "--" + option.replace("_", "-")) is None
+    ]
+    if hub_names:
+        demo.offline_unless_reachable()
     if args.command == "demo":
         import torch
 

@@ -77,28 +77,32 @@ def load_model_config(spec: str | None, vocab_size: int, *, attn_implementation:
         ``transformers.PretrainedConfig`` with ``use_cache=False``.
 
     Raises:
-        ValueError: if the configuration's vocabulary is smaller than the tokenizer's.
+        ValueError: naming ``--model-config``, if it cannot be loaded or its vocabulary is
+            smaller than the tokenizer's.
     """
     from transformers import AutoConfig
 
-    if spec is None:
-        config = tiny_config(vocab_size, attn_implementation=attn_implementation)
-    elif Path(spec).is_file():
-        fields = json.loads(Path(spec).read_text())
-        fields.setdefault("vocab_size", vocab_size)
-        config = tiny_config(
-            fields.pop("vocab_size"),
-            model_type=fields.pop("model_type", "llama"),
-            attn_implementation=attn_implementation,
-            **fields,
-        )
-    else:
-        config = AutoConfig.from_pretrained(spec)
-        config.use_cache = False
-        config._attn_implementation = attn_implementation
+    from .data import naming_flag
+
+    with naming_flag("--model-config", spec):
+        if spec is None:
+            config = tiny_config(vocab_size, attn_implementation=attn_implementation)
+        elif Path(spec).is_file():
+            fields = json.loads(Path(spec).read_text())
+            fields.setdefault("vocab_size", vocab_size)
+            config = tiny_config(
+                fields.pop("vocab_size"),
+                model_type=fields.pop("model_type", "llama"),
+                attn_implementation=attn_implementation,
+                **fields,
+            )
+        else:
+            config = AutoConfig.from_pretrained(spec)
+            config.use_cache = False
+            config._attn_implementation = attn_implementation
     if config.vocab_size < vocab_size:
         raise ValueError(
-            f"--model-config has vocab_size={config.vocab_size}, smaller than the tokenizer's "
+            f"`--model-config` has vocab_size={config.vocab_size}, smaller than the tokenizer's "
             f"{vocab_size}"
         )
     return config

@@ -1,8 +1,14 @@
-"""``packed-ce`` on bad input: one line on stderr, exit status 2, no traceback, and no hub look-up for a path."""
+"""``packed-ce`` on bad input: one line on stderr naming the flag, exit status 2, no traceback, no hub
+look-up for a path, and a hub name that fails in seconds when the hub cannot be reached."""
 
 from __future__ import annotations
 
 import json
+import re
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -48,6 +54,7 @@ def files(tmp_path):
         "malformed": write(tmp_path / "bad.jsonl", json.dumps(CONVERSATION) + "\n\n" + '{"messages": [oops\n'),
         "no_messages": write(tmp_path / "other.jsonl", json.dumps({"text": "hello"}) + "\n"),
         "csv": write(tmp_path / "chats.csv", "a,b\n1,2\n"),
+        "bad_config": write(tmp_path / "bad-model.json", json.dumps({"hidden_size": "wide"})),
     }
 
 
@@ -78,8 +85,10 @@ CASES = [
     (["pack", "--overflow", "wrap"], "argument --overflow: invalid choice: 'wrap'"),
     (["pack"], "the following arguments are required: --output"),
     (["launch"], "argument command: invalid choice: 'launch'"),
-    # Checked by the library, reported by the command.
-    (["pack", "--dataset", "{good}", "--max-length", "1", "--overflow", "split"], "`max_length` must be an int >= 2"),
+    # Checked by the library or the loaders, reported under the flag.
+    (["pack", "--dataset", "{good}", "--max-length", "1", "--overflow", "split"], "`--max-length` must be an int >= 2"),
+    (["demo", "--dataset", "{good}", "--model-config", "{bad_config}", "--steps", "1", "--rows-per-step", "1"],
+     "`--model-config` '{bad_config}': "),
 ]
 
 
@@ -101,4 +110,60 @@ def test_user_errors_are_one_line_with_status_2(argv, message, tmp_path, capsys,
     assert "Traceback" not in captured.err, captured.err
     assert [line for line in lines if "error" in line] == lines[-1:], captured.err
     assert lines[-1].startswith("packed-ce") and message.format(**paths) in lines[-1]
+    assert re.search(r"--[a-z]|argument command", lines[-1]), lines[-1]  # names what to change
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_without_a_tokenizer_is_named(tmp_path, capsys):
+    """A local folder goes to transformers' loader, whose message names no flag: it gets one."""
+    paths = files(tmp_path)
+    (tmp_path / "empty-folder").mkdir()
+    status = main(["pack", "--dataset", paths["good"], "--tokenizer", str(tmp_path / "empty-folder"),
+                   "--output", str(tmp_path / "out")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last.startswith(f"packed-ce pack: error: `--tokenizer` '{tmp_path / 'empty-folder'}': ")
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch):
+    """No connection reaches the hub, and the offline switches the command sets are undone after
+    the test."""
+    import huggingface_hub
+
+    def refuse(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+
+
+@pytest.mark.parametrize("flag", ["--dataset", "--tokenizer"])
+def test_a_hub_name_fails_in_seconds_when_the_hub_cannot_be_reached(flag, tmp_path, capsys, hub_unreachable):
+    """Offline, a hub name that is not in the local cache fails at once (no retries), saying what
+    was looked for and how to point at a local file instead."""
+    paths = files(tmp_path)
+    argv = ["pack", "--output", str(tmp_path / "out"), "--dataset", paths["good"], flag, "nobody-xyz/not-cached-21"]
+    start = time.perf_counter()
+    status = main(argv)
+    seconds = time.perf_counter() - start
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and seconds < 20, (status, seconds)  # 30 s of retries before
+    assert f"`{flag}` 'nobody-xyz/not-cached-21': not a local path, and not in the local hub cache" in last
+    assert "hub is offline (unreachable" in last and "pass a local" in last
+
+
+def test_help_answers_without_loading_torch():
+    """`packed-ce --help` imports no heavy module (it took about 4 s when it loaded torch)."""
+    code = (
+        "import sys\n"
+        "from packed_ce_demo.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'triton') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -165,3 +165,26 @@ def test_padded_batch_keeps_its_attention_mask():
     with torch.no_grad():
         loss = model(**PaddedCollator()(conversations())).loss
         assert_loss_close(loss, one_at_a_time(model, conversations()))
+
+
+@pytest.mark.parametrize("key", ["cu_seqlens", "cu_seq_lens_q", "position_ids", "seq_targets", "seq_weights"])
+def test_per_batch_values_that_are_not_tensors_are_refused_by_name(key):
+    """A list where the loss reads a tensor: TypeError naming the key, from the patched model's
+    call and from the batch readers, instead of an AttributeError deep inside."""
+    from packed_ce.integrations import count_num_items, sequence_boundaries
+
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    batch = packed_batch()
+    batch[key] = batch[key].tolist() if key in batch else [1.0] * (batch["cu_seqlens"].numel() - 1)
+    with pytest.raises(TypeError, match=f"^{key} must be a torch.Tensor, got list"):
+        model(**batch)
+    if key in ("seq_targets", "seq_weights", "cu_seqlens"):
+        readers = batch  # read after cu_seqlens, which is a tensor unless it is the key
+    else:  # read where the batch has no cu_seqlens
+        readers = {k: v for k, v in batch.items() if k != "cu_seqlens"}
+        if key == "position_ids":
+            readers.pop("cu_seq_lens_q")
+    with pytest.raises(TypeError, match=f"^{key} must be a torch.Tensor"):
+        sequence_boundaries(batch["labels"], readers)
+    with pytest.raises(TypeError, match=f"^{key} must be a torch.Tensor"):
+        count_num_items(readers)

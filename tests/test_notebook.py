@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -26,14 +27,30 @@ def test_notebook_matches_its_script():
     assert images == 3  # the packing layout, the per-token weights, the training run
 
 
-def test_notebook_executes():
+def _outputs(notebook):
+    """What each code cell shows, as (output type, stream name), in order."""
+    return [
+        [(out.output_type, out.get("name")) for out in cell.outputs]
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+    ]
+
+
+def test_notebook_executes_to_what_is_committed():
+    """A run gives the committed file's cells, ids, metadata and outputs, one per stream, with
+    nothing that changes from run to run (timestamps, seconds, memory addresses): `make
+    notebook` leaves a clean clone clean."""
     notebook = execute.build(execute.SCRIPT)
-    seconds = execute.execute(notebook, timeout=120)  # raises with the cell's traceback on error
-    print(f"notebook executed in {seconds:.0f} s")
-    errors = [
-        out
+    execute.execute(notebook, timeout=120)  # raises with the cell's traceback on error
+    assert not [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "error"]
+    committed = nbformat.read(execute.NOTEBOOK, as_version=4)
+    assert [cell.id for cell in notebook.cells] == [f"cell-{n:02d}" for n in range(len(notebook.cells))]
+    assert notebook.metadata == committed.metadata
+    assert [cell.metadata for cell in notebook.cells] == [cell.metadata for cell in committed.cells]
+    assert _outputs(notebook) == _outputs(committed)
+    shown = "".join(
+        out.get("text", "") + out.get("data", {}).get("text/plain", "")
         for cell in notebook.cells
         for out in cell.get("outputs", [])
-        if out.output_type == "error"
-    ]
-    assert not errors
+    )
+    assert not re.search(r" at 0x[0-9a-f]+|\d+(\.\d+)? ?(s|seconds|it/s)\b", shown), shown

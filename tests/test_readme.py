@@ -45,3 +45,23 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
         pytest.importorskip("trl")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation other than ``-`` and ``_``
+    dropped, spaces turned into hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_readme_links_reach_their_targets():
+    """Every relative link of the README names a file that exists and, with ``#anchor``, one of
+    its headings (reference material moves between the two pages)."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", (ROOT / "README.md").read_text())
+    local = [(path, anchor) for path, anchor in links if "://" not in path]
+    assert any(anchor for _, anchor in local)
+    for path, anchor in local:
+        target = ROOT / path
+        assert target.exists(), path
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
+            assert anchor in {_github_anchor(h) for h in headings}, f"{path}#{anchor}"

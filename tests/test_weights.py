@@ -384,6 +384,130 @@ def test_mean_divides_by_the_weight_mass_unless_num_items_is_given(backend_case)
         _close(loss(num_items_in_batch=num_items), total / num_items, tol)
 
 
+# --- weights of any scale: the mean does not depend on it -----------------------------------
+
+# The kernels' arithmetic is float32; each scale breaks a mass formed there.
+FLOAT32_BACKENDS = [
+    pytest.param("torch", id="torch-fp32"),
+    *(pytest.param("triton", marks=p.marks, id=f"triton-{p.values[0]}") for p in KERNEL_DEVICES[:1]),
+]
+SCALES = [
+    pytest.param(1e-35, id="mass-1e-35"),  # below the normaliser's clamp of 1e-30
+    pytest.param(1e-40, id="subnormal"),  # float32 subnormals: a_s / m_s loses its digits
+    pytest.param(3e38, id="mass-overflows"),  # two such weights add up to inf in float32
+]
+
+
+def _scaled_micro_batches(scale, vocab=13):
+    """Two micro-batches of random packings (split sequences among them), every weight ``scale``
+    times 1 or 1/3 (two of them at least ``scale``), with float64 logits."""
+    gen = torch.Generator().manual_seed(21)
+    batches = []
+    for _ in range(2):
+        packing, extra, _ = _random_weighted(gen, vocab, "cpu", n_tokens=40)
+        own = _own_counts(packing.labels, packing.slices, shift=True)
+        whole = [max(n, 1) + int(e) for n, e in zip(own, extra)]
+        weights = [scale * (1.0 if k else 1 / 3) for k in (torch.rand(len(own), generator=gen) < 0.5).tolist()]
+        weights[:2] = [scale, scale]
+        logits = torch.randn(packing.labels.numel(), vocab, generator=gen, dtype=torch.float64) * 3
+        batches.append((packing, whole, weights, logits))
+    return batches
+
+
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("is_packed", [True, False])
+def test_weights_of_any_scale_give_the_exact_mean(backend, scale, is_packed, per_sequence_loss):
+    """Weights whose float32 mass underflows, is subnormal or overflows: the same loss and
+    gradient as the float64 loop, alone and as two micro-batches over a step's float64 mass."""
+    batches = _scaled_micro_batches(scale)
+    options = LossOptions(is_packed=is_packed, shift=True, backend=backend)
+    calls, expected_parts = [], []
+    for packing, whole, weights, logits in batches:
+        per_sequence = dict(seq_weights=torch.tensor(weights, dtype=torch.float32))
+        if is_packed:
+            per_sequence["seq_targets"] = torch.tensor(whole)
+        calls.append((packing, per_sequence, logits.float().requires_grad_()))
+        # the float32 weights the loss sees, in float64
+        seq_weights = per_sequence["seq_weights"].double().tolist()
+        expected_parts.append(dict(seq_weights=seq_weights, seq_targets=whole if is_packed else None))
+
+    # one micro-batch: the mean over its own mass
+    packing, per_sequence, x = calls[0]
+    loss = packed_ce.cross_entropy(x, packing.labels, cu_seqlens=packing.cu_seqlens, options=options, **per_sequence)
+    (grad,) = torch.autograd.grad(loss, x)
+    x64 = batches[0][3].clone().requires_grad_()
+    expected = per_sequence_loss(x64, packing.labels, packing.slices, is_packed=is_packed, shift=True, **expected_parts[0])
+    (expected_grad,) = torch.autograd.grad(expected, x64)
+    assert loss.isfinite() and grad.isfinite().all()
+    _close(loss, expected, 2e-5)
+    _close(grad, expected_grad, 2e-5)
+
+    # two micro-batches of one step: each divides by the step's float64 mass, used as given
+    mass = sum(
+        count_normaliser(packing.labels, cu_seqlens=packing.cu_seqlens, options=options, **per_sequence)
+        for packing, per_sequence, _ in calls
+    )
+    assert mass.dtype == torch.float64 and 0 < mass < float("inf")
+    total = sum(
+        packed_ce.cross_entropy(x, packing.labels, cu_seqlens=packing.cu_seqlens, options=options,
+                                num_items_in_batch=mass, **per_sequence)
+        for packing, per_sequence, x in calls
+    )
+    grads = torch.autograd.grad(total, [x for _, _, x in calls])
+    # the float64 loop over both micro-batches as one batch
+    offset = batches[0][0].labels.numel()
+    slices = batches[0][0].slices + [(a + offset, b + offset) for a, b in batches[1][0].slices]
+    x64 = torch.cat([batch[3] for batch in batches]).requires_grad_()
+    expected = per_sequence_loss(
+        x64, torch.cat([batch[0].labels for batch in batches]), slices, is_packed=is_packed, shift=True,
+        seq_weights=sum((part["seq_weights"] for part in expected_parts), []),
+        seq_targets=(expected_parts[0]["seq_targets"] + expected_parts[1]["seq_targets"]) if is_packed else None,
+    )
+    (expected_grad,) = torch.autograd.grad(expected, x64)
+    _close(total, expected, 2e-5)
+    _close(torch.cat(grads), expected_grad, 2e-5)
+
+
+@pytest.mark.parametrize("preparation", PREPARATIONS[:2])
+def test_a_heavy_sequence_without_a_target_weighs_nothing(preparation):
+    """A sequence without a target weighing 3e38 beside weights of 1e-10: divided by the mass it
+    overflows float32, but its tokens have no target, so it changes nothing (no 0 * inf = NaN)."""
+    use_kernel, device = preparation
+    labels = torch.tensor(LABELS, device=device)
+    labels[5] = -100  # the middle sequence (tokens 3-5) loses its one target
+    keywords = dict(cu_seqlens=torch.tensor(CU_SEQLENS, device=device), is_packed=True, shift=True,
+                    seq_targets=torch.tensor(SEQ_TARGETS, device=device))
+    heavy = prepare_targets(labels, use_kernel=use_kernel, seq_weights=torch.tensor([1e-10, 3e38, 3e-10], device=device), **keywords)
+    plain = prepare_targets(labels, use_kernel=use_kernel, seq_weights=torch.tensor([1.0, 0.0, 3.0], device=device), **keywords)
+    assert heavy.coef.isfinite().all()
+    torch.testing.assert_close(heavy.coef, plain.coef, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("preparation", PREPARATIONS[:2])
+def test_weights_over_a_zero_or_bad_mass(preparation):
+    """Divided by the mass in float64 before the kernels see them, the weights keep the
+    normaliser's rules: a zero mass gives zero coefficients, a negative or non-finite
+    ``num_items_in_batch`` NaN ones, on the kernel and the PyTorch paths alike."""
+    use_kernel, device = preparation
+    keywords = dict(
+        cu_seqlens=torch.tensor(CU_SEQLENS, device=device), is_packed=True, shift=True,
+        seq_targets=torch.tensor(SEQ_TARGETS, device=device), validate=False,
+    )
+    labels = torch.tensor(LABELS, device=device)
+    zero = prepare_targets(labels, use_kernel=use_kernel, seq_weights=torch.zeros(3, device=device), **keywords)
+    assert torch.equal(zero.coef, torch.zeros(len(LABELS), device=device))
+    weights = torch.tensor(SEQ_WEIGHTS, device=device)
+    for bad in (-1.0, float("inf"), float("nan")):
+        num_items = torch.tensor(bad, dtype=torch.float64, device=device)
+        coef = prepare_targets(
+            labels, use_kernel=use_kernel, seq_weights=weights, num_items_in_batch=num_items, **keywords
+        ).coef
+        assert coef.isnan().all(), bad
+    given_zero = prepare_targets(labels, use_kernel=use_kernel, seq_weights=weights, num_items_in_batch=0, **keywords)
+    assert torch.equal(given_zero.coef, torch.zeros(len(LABELS), device=device))
+
+
 @pytest.mark.parametrize("preparation", PREPARATIONS[1:])
 def test_unvalidated_bad_values_agree_and_stay_finite(preparation):
     """With validation off (as under torch.compile), seq_targets below 1 or below a sequence's

@@ -15,7 +15,7 @@ import torch
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .hooks import POSITION_IDS_KEY
+from .hooks import POSITION_IDS_KEY, batch_tensor
 
 
 def sequence_boundaries(
@@ -36,17 +36,22 @@ def sequence_boundaries(
         the batch's ``cu_seqlens``, its ``seq_targets`` (with ``is_packed``) and ``seq_weights``
         come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
         conversation split across rows, micro-batches or ranks keeps its weight.
+
+    Raises:
+        TypeError naming the key, for a ``cu_seqlens``, ``cu_seq_lens_q``, ``position_ids``,
+        ``seq_targets`` or ``seq_weights`` that is not a tensor (a list, say).
     """
-    if batch.get("cu_seqlens") is not None:
-        found = {"cu_seqlens": batch["cu_seqlens"].to(labels.device)}
+    cu_seqlens = batch_tensor(batch, "cu_seqlens")
+    if cu_seqlens is not None:
+        found = {"cu_seqlens": cu_seqlens.to(labels.device)}
         for key in ("seq_targets", "seq_weights") if is_packed else ("seq_weights",):
-            if batch.get(key) is not None:
+            if batch_tensor(batch, key) is not None:
                 found[key] = batch[key].to(labels.device)
         return found
-    if batch.get("cu_seq_lens_q") is not None:
+    if batch_tensor(batch, "cu_seq_lens_q") is not None:
         return {"cu_seqlens": batch["cu_seq_lens_q"].to(labels.device)}
     for key in (POSITION_IDS_KEY, "position_ids"):
-        if batch.get(key) is not None:
+        if batch_tensor(batch, key) is not None:
             return {"position_ids": batch[key].to(labels.device)}
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0

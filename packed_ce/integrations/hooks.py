@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,6 +13,24 @@ from torch import nn
 # any extra keyword it also reaches the attention functions, which ignore keywords they do not
 # know.
 POSITION_IDS_KEY = "packed_ce_position_ids"
+# The per-batch tensors the packed loss reads from a batch or a model call.
+BATCH_TENSORS = ("cu_seqlens", "cu_seq_lens_q", "position_ids", "seq_targets", "seq_weights")
+
+
+def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
+    """``batch[key]``: a tensor, or None when absent.
+
+    Raises:
+        TypeError naming ``key`` for anything else (a list would otherwise fail deep inside the
+        loss with an AttributeError that names no argument).
+    """
+    value = batch.get(key)
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    raise TypeError(
+        f"{key} must be a torch.Tensor, got {type(value).__name__}: pass "
+        f"torch.tensor({key}) (collators.PackedCollator returns tensors)"
+    )
 
 
 def checked_call(module: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -29,6 +49,8 @@ def checked_call(module: nn.Module, args: tuple, kwargs: dict) -> dict:
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
     """
+    for key in BATCH_TENSORS:
+        batch_tensor(kwargs, key)
     if kwargs.get("fused_lm_head"):
         raise ValueError(
             "this model has the packed loss (apply_packed_loss), but trl's fused_lm_head=True "
