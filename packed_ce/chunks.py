@@ -48,7 +48,7 @@ import torch
 from .options import ChunkOptions, LossOptions
 from .reference import compute_dtype, token_losses, token_stats_rows
 from .targets import Targets
-from .validation import check_first_order, is_tracing
+from .runtime import check_first_order, is_tracing
 
 # Bytes of one chunk of logits. 256 MiB is 1024 rows at V=128256 in bf16: the GEMMs keep
 # M = C >= 1024 rows (full tiles, efficient), while the chunk stays a small fraction of the

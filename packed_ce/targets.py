@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
-from .validation import check_labels, check_tensor, clamp_cu_seqlens, is_tracing
+from .runtime import is_tracing
+from .validation import check_labels, check_tensor, clamp_cu_seqlens
 
 
 @dataclass

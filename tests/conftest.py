@@ -105,8 +105,8 @@ def no_pending_checks_between_tests():
     """Each test starts and ends with no value check pending (on CUDA they are read one call
     later): a test that expects a deferred error reads it with ``packed_ce.check_pending()``, and
     a leftover never raises inside the next, unrelated test."""
-    from packed_ce import validation
+    from packed_ce import pending
 
-    validation._pending.clear()
+    pending._pending.clear()
     yield
-    validation._pending.clear()
+    pending._pending.clear()

@@ -34,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..runtime import interpreting
-from ..validation import check_first_order
+from ..runtime import check_first_order, interpreting
 
 @triton.jit
 def _softcap_and_slope(raw, softcap):
