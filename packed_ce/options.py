@@ -77,16 +77,12 @@ class LossOptions:
         backend: "triton" (the kernel; on CPU tensors through the Triton interpreter when
             ``TRITON_INTERPRET=1``), "torch" (the PyTorch reference), or "auto" (the kernel on
             CUDA, the reference elsewhere).
-        validate: check label range and ``cu_seqlens`` contents; a bad value raises a
-            ValueError naming it. On the CPU, and on CUDA with ``backend="torch"`` (one host
-            sync), inside the call. On CUDA with the kernel, without any host sync: the checks
-            run on the device, the call's loss and gradients are NaN if one fails, and the
-            error is raised at the start of the next loss call or by
-            :func:`packed_ce.check_pending`, whichever comes first (call it before
-            ``optimizer.step()`` to never step on bad input). A tensor ``num_items_in_batch`` is
-            checked the same way. Skipped under ``torch.compile`` and CUDA-graph capture. With
-            False nothing is checked (what unchecked bad values give:
-            :func:`packed_ce.cross_entropy`).
+        validate: check the values (label range, the contents of ``cu_seqlens``,
+            ``seq_targets``, ``seq_weights`` and of a tensor ``num_items_in_batch``); a bad one
+            raises a ValueError naming it, inside the call or at the next one
+            (:func:`packed_ce.check_pending` says when). With False nothing is checked and only
+            memory safety is promised (no out-of-bounds access, no device assert, no hang): the
+            result of a call with invalid values is unspecified, and may differ by backend.
 
     Raises:
         TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out

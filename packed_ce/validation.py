@@ -332,18 +332,3 @@ def check_values(
         coef.masked_fill_(found, float("nan"))
     pending.queue(record, **where)
 
-
-def clamp_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``cu_seqlens`` clamped to ``[0, N]``, non-decreasing, from 0 to ``N``: how an unchecked
-    one is read. ``(S+1,)``, same dtype and device, no host sync.
-
-    Example:
-        >>> clamp_cu_seqlens(torch.tensor([2, 5, 3, 9]), 6)
-        tensor([0, 5, 5, 6])
-    """
-    clamped = torch.cummax(cu_seqlens.clamp(0, num_tokens), dim=0).values
-    # slices filled with Python numbers: `clamped[0] = 0` copies a host scalar (a host sync)
-    clamped[:1].zero_()
-    if clamped.numel() > 1:
-        clamped[-1:].fill_(num_tokens)
-    return clamped

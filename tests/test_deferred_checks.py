@@ -102,9 +102,9 @@ BAD_CASES = [case for case, _, _ in _bad_inputs()]
 
 
 def _same_error(deferred: str, immediate: str) -> bool:
-    """The deferred message starts with the one the call raises itself, or, for the per-sequence
-    checks (whose device record holds flags, not positions), with that message's first clause."""
-    return deferred.startswith(immediate) or deferred.startswith(immediate.split(":")[0])
+    """The deferred message starts with the one the call raises itself: one record, one set of
+    messages."""
+    return deferred.startswith(immediate)
 
 
 def _immediate_message(labels, keywords):

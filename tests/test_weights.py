@@ -385,29 +385,24 @@ def test_mean_divides_by_the_weight_mass_unless_num_items_is_given(backend_case)
 
 
 @pytest.mark.parametrize("preparation", PREPARATIONS[1:])
-def test_unvalidated_bad_values_agree_and_stay_finite(preparation):
+def test_unvalidated_bad_values_are_memory_safe(preparation):
     """With validation off (as under torch.compile), seq_targets below 1 or below a sequence's
-    own count, and negative weights, give the same numbers on the kernel and the PyTorch paths
-    (entries below 1 count as 1) instead of a NaN or an out-of-range read."""
+    own count and negative or non-finite weights run on every path without an error or an
+    out-of-range access; their value is unspecified."""
     _, device = preparation
     labels = torch.tensor(LABELS, device=device)
     keywords = dict(
         cu_seqlens=torch.tensor(CU_SEQLENS, device=device), is_packed=True, shift=True,
-        seq_targets=torch.tensor([0, -3, 1], device=device), seq_weights=torch.tensor([1.0, -2.0, 0.5], device=device),
+        seq_targets=torch.tensor([0, -3, 1], device=device),
+        seq_weights=torch.tensor([float("inf"), -2.0, float("nan")], device=device),
     )
-    for reduction in ("mean", "sum"):
-        ours = prepare_targets(labels, use_kernel=True, reduction=reduction, **keywords)
-        reference = prepare_targets(labels, use_kernel=False, reduction=reduction, **keywords)
-        assert torch.equal(ours.targets, reference.targets)
-        torch.testing.assert_close(ours.coef, reference.coef, rtol=1e-6, atol=0)
-        assert ours.coef.isfinite().all()
+    for use_kernel in (True, False):
+        prepared = prepare_targets(labels, use_kernel=use_kernel, **keywords)
+        assert prepared.coef.shape == labels.shape
     logits = torch.randn(len(LABELS), 11, device=device)
-    loss = packed_ce.cross_entropy(logits, labels, backend="triton", validate=False, **keywords)
-    torch.testing.assert_close(
-        loss.cpu(), packed_ce.cross_entropy(logits.cpu(), labels.cpu(), backend="torch", validate=False,
-                                      **{k: v.cpu() if torch.is_tensor(v) else v for k, v in keywords.items()}),
-        rtol=1e-5, atol=0,
-    )
+    for backend in ("triton", "torch"):
+        loss = packed_ce.cross_entropy(logits, labels, backend=backend, validate=False, **keywords)
+        assert loss.shape == ()
 
 
 @pytest.mark.parametrize("backend_case", BACKENDS)
@@ -490,11 +485,6 @@ def test_bad_input_raises_naming_the_argument(backend_case, case):
     # (meta tensors stay where they are: the device check must see them)
     keywords = {k: v.to(device) if torch.is_tensor(v) and not v.is_meta else v for k, v in keywords.items()}
     logits = torch.zeros(len(LABELS), 11, dtype=dtype, device=device)
-    value_check = pattern.startswith(("seq_targets must be >=", "seq_targets must count",
-                                      "seq_weights must be finite"))
-    if device == "cuda" and backend == "triton" and value_check:
-        # checked on the device: the deferred error names the check, not the positions
-        pattern = "^seq_(targets|weights) must"
     with pytest.raises(error, match=pattern):
         packed_ce.cross_entropy(logits, torch.tensor(LABELS, device=device), **keywords)
         packed_ce.check_pending()
