@@ -18,7 +18,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -41,6 +41,15 @@ def _finite_float(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+class KernelFloats(NamedTuple):
+    """The three float options as the kernels read them (:attr:`LossOptions.kernel_floats`):
+    runtime arguments, so a new value does not recompile; ``softcap=0.0`` means none."""
+
+    label_smoothing: float
+    z_loss_scale: float
+    softcap: float
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,12 @@ class LossOptions:
         object.__setattr__(self, "label_smoothing", label_smoothing)
         object.__setattr__(self, "z_loss_scale", z_loss_scale)
         object.__setattr__(self, "softcap", softcap)
+
+    @property
+    def kernel_floats(self) -> KernelFloats:
+        """``label_smoothing``, ``z_loss_scale`` and ``softcap`` (0.0 for None) for the kernels."""
+        softcap = 0.0 if self.softcap is None else self.softcap
+        return KernelFloats(self.label_smoothing, self.z_loss_scale, softcap)
 
 
 @dataclass(frozen=True)

@@ -343,15 +343,20 @@ def _launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
     return 4096, 8
 
 
+def _hyperparameters(floats) -> dict[str, float]:
+    """The kernel's three float arguments by name, from ``(label_smoothing, z_loss_scale,
+    softcap)``."""
+    label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
+    return dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
+
+
 def launch_forward(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
     grad: torch.Tensor | None,
+    floats,
     *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
@@ -360,6 +365,8 @@ def launch_forward(
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
         grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
+        floats: ``(label_smoothing, z_loss_scale, softcap)``, a
+            :class:`packed_ce.options.KernelFloats` (softcap 0.0: none).
         stats: ``(N, 2)`` fp32 buffer with unit column stride, or None: receives each row's
             softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
             ``coef`` is 0), from the same read of the logits as the loss.
@@ -390,9 +397,7 @@ def launch_forward(
         stride_grad_n=grad.stride(0) if grad is not None else 0,
         stride_grad_out_n=0,
         stride_stats_n=stats.stride(0) if stats is not None else 0,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=float(softcap),
+        **_hyperparameters(floats),
         COMPUTE_LOSS=True,
         COMPUTE_GRAD=grad is not None,
         HAS_GRAD_OUT=False,
@@ -410,10 +415,7 @@ def launch_backward(
     coef: torch.Tensor,
     lse: torch.Tensor,
     grad_rows: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats,
 ) -> torch.Tensor:
     """Writes ``dL/dlogits`` into ``grad`` from the saved ``lse`` and per-row upstream gradients.
 
@@ -421,6 +423,7 @@ def launch_backward(
         logits, grad: ``(N, V)``, ``grad`` may be ``logits`` itself.
         targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
         grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
+        floats: as in :func:`launch_forward`.
     """
     n, vocab = logits.shape
     if n == 0:
@@ -441,9 +444,7 @@ def launch_backward(
         stride_grad_n=grad.stride(0),
         stride_grad_out_n=grad_rows.stride(0),
         stride_stats_n=0,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=float(softcap),
+        **_hyperparameters(floats),
         COMPUTE_LOSS=False,
         COMPUTE_GRAD=True,
         HAS_GRAD_OUT=True,
@@ -491,14 +492,11 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits: torch.Tensor,  # (N, V) fp32/bf16/fp16, unit column stride
         targets: torch.Tensor,  # (N,) int64
         coef: torch.Tensor,  # (N,) fp32
-        label_smoothing: float,
-        z_loss_scale: float,
-        softcap: float,
+        floats,  # packed_ce.options.KernelFloats
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
         stats: torch.Tensor | None,  # (N, 2) fp32 out-buffer of launch_forward, or None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
         # With one scalar upstream gradient the whole gradient is known up to that scalar now,
         # so compute it in the same pass that reads the logits for the loss. Not in fp16: its
@@ -509,13 +507,13 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
+        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, floats, stats=stats)
         if fused and inplace_backward:
             _mark_overwritten(logits)
         if reduce:
             loss, z_rows = loss.sum(), z_rows.sum()
         ctx.mark_non_differentiable(z_rows)
-        ctx.fused, ctx.inplace_backward, ctx.hyper = fused, inplace_backward, hyper
+        ctx.fused, ctx.inplace_backward, ctx.floats = fused, inplace_backward, floats
         ctx.backward_done = False
         if fused:
             ctx.save_for_backward(grad)
@@ -542,11 +540,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits if ctx.inplace_backward else torch.empty_like(logits)
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
-            launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
+            launch_backward(logits, grad, targets, coef, lse, grad_rows, ctx.floats)
             if ctx.inplace_backward:
                 _mark_overwritten(logits)
-        # One gradient per forward input: logits, then targets, coef, the five options, stats.
-        return grad, None, None, None, None, None, None, None, None
+        # One gradient per forward input: logits, then none for targets, coef, floats, reduce,
+        # inplace_backward and stats.
+        return grad, None, None, None, None, None, None
 
 
 # torch.compile path: two functional custom ops with registered autograd and fake kernels, so
@@ -558,28 +557,19 @@ def cross_entropy_forward_op(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats: list[float],  # KernelFloats as a list: a custom op's schema has no named tuple
     compute_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
     loss, z_rows, lse = launch_forward(
-        logits,
-        targets,
-        coef,
-        None,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-        stats=stats if compute_stats else None,
+        logits, targets, coef, None, floats, stats=stats if compute_stats else None
     )
     return loss, z_rows, lse, stats
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap, compute_stats):
+def _(logits, targets, coef, floats, compute_stats):
     rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
     return rows, torch.empty_like(rows), torch.empty_like(rows), stats
@@ -592,41 +582,30 @@ def cross_entropy_backward_op(
     coef: torch.Tensor,
     lse: torch.Tensor,
     grad_rows: torch.Tensor,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats: list[float],
 ) -> torch.Tensor:
-    return launch_backward(
-        logits,
-        torch.empty_like(logits),
-        targets,
-        coef,
-        lse,
-        grad_rows.float(),
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-    )
+    grad = torch.empty_like(logits)
+    return launch_backward(logits, grad, targets, coef, lse, grad_rows.float(), floats)
 
 
 @cross_entropy_backward_op.register_fake
-def _(logits, targets, coef, lse, grad_rows, label_smoothing, z_loss_scale, softcap):
+def _(logits, targets, coef, lse, grad_rows, floats):
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, coef, label_smoothing, z_loss_scale, softcap, _ = inputs
+    logits, targets, coef, floats, _ = inputs
     ctx.save_for_backward(logits, targets, coef, output[2])
-    ctx.hyper = (label_smoothing, z_loss_scale, softcap)
+    ctx.floats = floats
     ctx.mark_non_differentiable(output[3])
 
 
 def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse, grad_stats):
     check_first_order("packed_ce.cross_entropy with backend='triton'", "backend='torch'")
     logits, targets, coef, lse = ctx.saved_tensors
-    grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
-    # One gradient per forward input: logits, then targets, coef, the three options, stats.
-    return grad, None, None, None, None, None, None
+    grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, ctx.floats)
+    # One gradient per forward input: logits, then none for targets, coef, floats, compute_stats.
+    return grad, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -636,10 +615,8 @@ def triton_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
+    floats,
     *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
     reduce: bool,
     inplace_backward: bool,
     stats: torch.Tensor | None = None,
@@ -649,12 +626,13 @@ def triton_cross_entropy(
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
+        floats: a :class:`packed_ce.options.KernelFloats`.
         stats: ``(N, 2)`` fp32 buffer filled with each row's entropy and top-1 hit (see
             :func:`launch_forward`), or None.
     """
     if torch.compiler.is_compiling():
         loss, z_rows, _, row_stats = cross_entropy_forward_op(
-            logits, targets, coef, label_smoothing, z_loss_scale, softcap, stats is not None
+            logits, targets, coef, list(floats), stats is not None
         )
         if stats is not None:
             stats.copy_(row_stats)
@@ -662,13 +640,5 @@ def triton_cross_entropy(
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits,
-        targets,
-        coef,
-        label_smoothing,
-        z_loss_scale,
-        softcap,
-        reduce,
-        inplace_backward,
-        stats,
+        logits, targets, coef, floats, reduce, inplace_backward, stats
     )
