@@ -25,7 +25,7 @@ import packed_ce
 from packed_ce import ChunkOptions, LossOptions
 from packed_ce.targets import count_normaliser
 
-from loss_utils import INTERPRETING
+from loss_utils import INTERPRETING, per_sequence_loss
 
 N, V, H = 6, 11, 4  # tokens, vocabulary, hidden size
 INF, NAN = float("inf"), float("nan")
@@ -68,13 +68,8 @@ def _ce(logits, labels, **keywords) -> torch.Tensor:
 
 def _packed_mean(logits, labels, bounds) -> torch.Tensor:
     """float64 mean over the sequences ``[bounds[s], bounds[s+1])`` with a target of their mean
-    token loss, written independently of packed_ce."""
-    means = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        y = labels[start:end].long()
-        if (y != -100).any():
-            means.append(F.cross_entropy(logits[start:end].double(), y))
-    return torch.stack(means).mean()
+    token loss: the suite's ground truth, :func:`loss_utils.per_sequence_loss`."""
+    return per_sequence_loss(logits, labels, list(zip(bounds[:-1], bounds[1:])), is_packed=True, shift=False)
 
 
 def _with(t: dict, name: str, value) -> dict:
