@@ -68,16 +68,17 @@ def cross_entropy(
         >>> packed_ce.cross_entropy(logits, labels, cu_seqlens=cu_seqlens, is_packed=True)
         tensor(1.3863)
     """
-    check_tensor("logits", logits)
     options, _ = split_keywords(keywords, options)
+    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
+    return _cross_entropy(logits, labels, boundaries, options)
+
+
+def _cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, boundaries: Boundaries, options: LossOptions
+):
+    """:func:`cross_entropy` once its keywords are objects (the modules call it directly)."""
+    check_tensor("logits", logits)
     backend = resolve_backend(options.backend, logits)
-    boundaries = Boundaries(
-        cu_seqlens=cu_seqlens,
-        position_ids=position_ids,
-        num_items_in_batch=num_items_in_batch,
-        seq_targets=seq_targets,
-        seq_weights=seq_weights,
-    )
     if options.inplace_backward and not logits.is_contiguous():
         # an expanded (stride-0) or overlapping view would receive several rows' gradients in
         # one place, and a strided one would be copied (nothing written where the caller looks)
@@ -152,16 +153,10 @@ class PackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        return cross_entropy(
-            logits,
-            labels,
-            cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            num_items_in_batch=num_items_in_batch,
-            seq_targets=seq_targets,
-            seq_weights=seq_weights,
-            options=self.options,
+        boundaries = Boundaries(
+            cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
         )
+        return _cross_entropy(logits, labels, boundaries, self.options)
 
     def extra_repr(self) -> str:
         return changed_fields(self.options)
