@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 datasets = pytest.importorskip("datasets")  # not on every GPU image
 from collator_reference import IGNORE  # also derandomises hypothesis when CI is set
+from loss_utils import per_sequence_loss
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
@@ -129,14 +129,13 @@ def test_packed_properties(seqs, multiple):
 
 
 def per_sequence_mean_loss(logits, labels, cu_seqlens):
-    """Reference: shifted token loss averaged within each sequence, then over sequences with a target."""
-    logits, labels = logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1)
-    means = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        targets = labels[start + 1 : end]
-        if (targets != IGNORE).any():
-            means.append(F.cross_entropy(logits[start : end - 1], targets, ignore_index=IGNORE))
-    return torch.stack(means).mean(), len(means)
+    """The suite's reference (:func:`loss_utils.per_sequence_loss`) under the shift, and the number of
+    sequences with a target."""
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    bounds = cu_seqlens.tolist()
+    slices = list(zip(bounds[:-1], bounds[1:]))
+    count = sum(bool((labels[start + 1 : end] != IGNORE).any()) for start, end in slices)
+    return per_sequence_loss(logits, labels, slices, is_packed=True, shift=True), count
 
 
 def test_packed_and_padded_hold_the_same_targets():
