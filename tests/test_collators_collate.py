@@ -207,20 +207,10 @@ def test_dataloader_workers_match_single_process(collator):
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_causal_lm_sees_each_packed_sequence_alone(attn_implementation):
     """model(**batch) on a packed row gives, for every sequence, the logits of that sequence run alone."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    pytest.importorskip("transformers")
+    from packed_ce.integrations import tiny_causal_lm
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn_implementation,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_causal_lm(64, attn_implementation=attn_implementation).eval()
     examples = [
         {"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 3, 12, 1, 5)
     ]
