@@ -58,19 +58,15 @@ class LossOptions:
 
     Attributes:
         is_packed: weight a target of sequence ``s`` by ``1 / n_s`` (``n_s`` = targets in ``s``),
-            so "sum" is the sum of per-sequence mean losses and "mean" divides it by the number
-            of sequences with a target; needs ``cu_seqlens`` or ``position_ids``. With the
-            per-call ``seq_targets`` / ``seq_weights`` (:class:`Boundaries`) the weight is
-            ``seq_weights[s] / seq_targets[s]`` and "mean" divides by the weight mass.
+            so "mean" is the mean over sequences of their mean token loss; needs ``cu_seqlens``
+            or ``position_ids``. The weights and the normaliser ``D``: :mod:`packed_ce.targets`.
         shift: ``labels`` are aligned with the inputs (transformers' causal-LM convention): the
             target of ``logits[t]`` is ``labels[t+1]`` if ``t+1`` is in the same sequence (or
             row, without boundaries), else none. Never crosses a sequence boundary.
         ignore_index: label value that is not a target (0 loss, 0 gradient).
-        reduction: "mean" (``sum / D``), "sum", or "none" (per token, ``labels``-shaped, summing
-            to "sum"). ``D`` = ``num_items_in_batch`` if given, else :func:`count_normaliser`:
-            the number of targets (``is_packed=False``) or of sequences with a target
-            (``is_packed=True``); with ``seq_targets`` or ``seq_weights`` the weight mass
-            ``sum_t w_t``. ``D == 0`` gives loss 0 and zero gradients.
+        reduction: "mean" (``sum / D``, ``D`` = ``num_items_in_batch`` or
+            :func:`packed_ce.count_normaliser`; ``D == 0`` gives loss 0 and zero gradients),
+            "sum", or "none" (per token, ``labels``-shaped, summing to "sum").
         label_smoothing: ``eps`` in ``[0, 1]``, PyTorch's meaning.
         z_loss_scale: weight (``>= 0``) of ``lse**2`` in each token's loss.
         softcap: None, or ``c > 0``: logits pass through ``c * tanh(x / c)`` first.
