@@ -83,3 +83,40 @@ def test_a_sequence_without_targets_changes_nothing(backend, pack, at, length):
     assert_close(grown_loss, loss)
     assert_close(torch.cat([grown_grad[:start], grown_grad[start + length :]]), grad)
     assert not grown_grad[start : start + length].any()
+
+
+@st.composite
+def invalid_calls(draw):
+    """Keywords of a call whose values are anything the metadata checks let through: labels
+    outside ``[0, V)``, ``cu_seqlens`` out of range and in any order, ``seq_targets`` below 1,
+    ``seq_weights`` and a tensor ``num_items_in_batch`` negative or not finite."""
+    n = draw(st.integers(1, 12))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    big = 2**31 - 1
+    labels = torch.tensor(draw(st.lists(st.integers(-big, big), min_size=n, max_size=n)))
+    bounds = draw(st.lists(st.integers(-big, big), min_size=2, max_size=6))
+    s = len(bounds) - 1
+    odd = st.sampled_from([float("nan"), float("inf"), -float("inf"), -1.0, 0.0, 2.0])
+    return dict(
+        logits=torch.randn(n, V, generator=gen),
+        labels=labels,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32),
+        seq_targets=torch.tensor(draw(st.lists(st.integers(-big, big), min_size=s, max_size=s))),
+        seq_weights=torch.tensor(draw(st.lists(odd, min_size=s, max_size=s))),
+        num_items_in_batch=torch.tensor(draw(odd)),
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        shift=draw(st.booleans()),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@PROPERTY_SETTINGS
+@hypothesis.given(call=invalid_calls())
+def test_unvalidated_invalid_values_are_memory_safe(backend, call):
+    """validate=False promises memory safety only: any values run to a loss and a gradient of
+    the right shapes without an error (no out-of-range index, no device assert, no hang)."""
+    logits = call.pop("logits").requires_grad_()
+    loss = packed_ce.cross_entropy(logits, is_packed=True, backend=backend, validate=False, **call)
+    loss.sum().backward()
+    assert loss.shape == (() if call["reduction"] != "none" else call["labels"].shape)
+    assert logits.grad.shape == logits.shape
