@@ -84,14 +84,18 @@ def _first(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
     index = torch.arange(n + 1, device=bad.device)
     stop = torch.ones(1, dtype=torch.bool, device=bad.device)  # index n: none found
     at = torch.where(torch.cat([bad, stop]), index, n).min()
-    value = _padded(values)[at]
+    value = _read(values, at)
     found = at < n
     return [bad.sum(), torch.where(found, at, -1), torch.where(found, value, 0)]
 
 
-def _padded(values: torch.Tensor) -> torch.Tensor:
-    """``values`` as int64 with a 0 appended: index -1 and ``len(values)`` read 0."""
-    return torch.nn.functional.pad(values.to(torch.int64), (0, 1))
+def _read(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``values[at]`` as 0-d int64 for a 0-d device index, 0 where ``at`` is -1 or
+    ``len(values)``. index_select, not ``values[at]``: indexing by a 0-d tensor reads it on the
+    host (a sync on CUDA)."""
+    padded = torch.nn.functional.pad(values.to(torch.int64), (0, 1))
+    at = torch.where(at < 0, values.numel(), at)
+    return padded.index_select(0, at.reshape(1)).reshape(())
 
 
 def encode_per_sequence(
@@ -114,7 +118,7 @@ def encode_per_sequence(
     below_own = targets < own
     fields = _first(targets < 1, targets)
     fields += _first(below_own, targets)
-    fields.append(_padded(own)[fields[-2]])  # index -1 (none) reads the appended 0
+    fields.append(_read(own, fields[-2]))
     weights = seq_weights.detach().to(torch.float64) if seq_weights is not None else empty.double()
     bad_weight = ~(weights.isfinite() & (weights >= 0))
     fields += _first(bad_weight, weights.view(torch.int64))
@@ -144,12 +148,13 @@ def encode(
     n = flat.numel()
     device = flat.device
     fields = _first(bad_label_mask(flat, vocab_size, ignore_index), flat)
-    if cu_seqlens is None:
-        bounds = torch.tensor([0, n], device=device)
+    if cu_seqlens is None:  # the fields of well-formed boundaries: [0, N]
+        bounds = torch.zeros(2, dtype=torch.int64, device=device)
+        bounds[1:].fill_(n)  # a fill, not torch.tensor([0, n]): no copy from the host
     else:
         bounds = cu_seqlens.to(torch.int64)
     _, at, before = _first(bounds[1:] < bounds[:-1], bounds[:-1])
-    after = torch.where(at >= 0, bounds[at + 1], 0)  # at = -1 reads bounds[0], then dropped
+    after = torch.where(at >= 0, _read(bounds, at + 1), 0)
     fields += [bounds[0], bounds[-1], at, before, after]
     bad_count = torch.zeros((), dtype=torch.bool, device=device)
     if count is not None:
