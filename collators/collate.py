@@ -99,7 +99,25 @@ def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
     return np.maximum(counts, 1)
 
 
-class PackedCollator:
+class _Collator:
+    """What both collators hold: the padding and the label of untrained tokens; the repr lists
+    ``_FIELDS``, the constructor's arguments in its order."""
+
+    _FIELDS: tuple[str, ...] = ()
+
+    def __init__(self, pad_to_multiple_of: int | None, pad_token_id: int, ignore_index: int):
+        if pad_to_multiple_of is not None:
+            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_token_id = pad_token_id
+        self.ignore_index = ignore_index
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in self._FIELDS)
+        return f"{type(self).__name__}({fields})"
+
+
+class PackedCollator(_Collator):
     """Concatenate conversations into one row with exact sequence boundaries (padding-free batches).
 
     Takes tokenized conversations (`input_ids`, `labels`) or rows of `pack_dataset` / `pack_stream` (which
@@ -179,6 +197,8 @@ class PackedCollator:
     (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000]))
     """
 
+    _FIELDS = ("pad_to_multiple_of", "pad_token_id", "ignore_index", "return_varlen_kwargs")
+
     def __init__(
         self,
         *,
@@ -187,18 +207,8 @@ class PackedCollator:
         ignore_index: int = IGNORE_INDEX,
         return_varlen_kwargs: bool = True,
     ):
-        if pad_to_multiple_of is not None:
-            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.pad_token_id = pad_token_id
-        self.ignore_index = ignore_index
+        _Collator.__init__(self, pad_to_multiple_of, pad_token_id, ignore_index)
         self.return_varlen_kwargs = return_varlen_kwargs
-
-    def __repr__(self) -> str:
-        return (
-            f"PackedCollator(pad_to_multiple_of={self.pad_to_multiple_of}, pad_token_id={self.pad_token_id}, "
-            f"ignore_index={self.ignore_index}, return_varlen_kwargs={self.return_varlen_kwargs})"
-        )
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
         """Collate `examples` into one packed row.
@@ -269,7 +279,7 @@ class PackedCollator:
         return batch
 
 
-class PaddedCollator:
+class PaddedCollator(_Collator):
     """Pad conversations to a `(B, T)` batch: the unpacked baseline, with the same boundary metadata.
 
     Returns:
@@ -305,20 +315,12 @@ class PaddedCollator:
     (tensor([0, 3, 6], dtype=torch.int32), 2, tensor([2, 1], dtype=torch.int32))
     """
 
+    _FIELDS = ("pad_token_id", "pad_to_multiple_of", "ignore_index")
+
     def __init__(
         self, pad_token_id: int = 0, *, pad_to_multiple_of: int | None = None, ignore_index: int = IGNORE_INDEX
     ):
-        if pad_to_multiple_of is not None:
-            positive_int(pad_to_multiple_of, "pad_to_multiple_of")
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-        self.ignore_index = ignore_index
-
-    def __repr__(self) -> str:
-        return (
-            f"PaddedCollator(pad_token_id={self.pad_token_id}, pad_to_multiple_of={self.pad_to_multiple_of}, "
-            f"ignore_index={self.ignore_index})"
-        )
+        _Collator.__init__(self, pad_to_multiple_of, pad_token_id, ignore_index)
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
         """Collate `examples`, one conversation each: dicts with `input_ids` and optionally `labels`,

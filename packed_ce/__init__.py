@@ -21,7 +21,7 @@ from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_
 from .options import ChunkOptions, LossOptions
 from .stats import SequenceLosses, TokenStats
 from .targets import count_normaliser
-from .validation import check_pending
+from .pending import check_pending
 
 __all__ = [
     "cross_entropy",

@@ -48,7 +48,7 @@ import torch
 from .options import ChunkOptions, LossOptions
 from .reference import compute_dtype, token_losses, token_stats_rows
 from .targets import Targets
-from .validation import check_first_order, is_tracing
+from .runtime import check_first_order, is_tracing
 
 # Bytes of one chunk of logits. 256 MiB is 1024 rows at V=128256 in bf16: the GEMMs keep
 # M = C >= 1024 rows (full tiles, efficient), while the chunk stays a small fraction of the
@@ -121,18 +121,14 @@ class _ChunkLoss:
 def _triton_chunk_loss(options: LossOptions) -> _ChunkLoss:
     from .kernels.cross_entropy import launch_backward, launch_forward, scale_in_place
 
-    hyper = dict(
-        label_smoothing=options.label_smoothing,
-        z_loss_scale=options.z_loss_scale,
-        softcap=0.0 if options.softcap is None else options.softcap,
-    )
+    floats = options.kernel_floats
 
     def forward(z, targets, coef, write_grad, stats):
         # the kernel reads each element of a row before writing its gradient: in place is safe
-        return launch_forward(z, targets, coef, z if write_grad else None, **hyper, stats=stats)
+        return launch_forward(z, targets, coef, z if write_grad else None, floats, stats=stats)
 
     def backward(z, targets, coef, lse, grad_rows):
-        launch_backward(z, z, targets, coef, lse, grad_rows.float(), **hyper)
+        launch_backward(z, z, targets, coef, lse, grad_rows.float(), floats)
 
     return _ChunkLoss(forward=forward, backward=backward, scale=scale_in_place)
 

@@ -73,12 +73,8 @@ def fused_linear_cross_entropy(
             chunked algorithm with the PyTorch reference's per-token loss, differentiated by
             autograd on each upcast chunk).
         chunk_options: a :class:`packed_ce.ChunkOptions`.
-        **keywords: the fields of :class:`packed_ce.LossOptions` (as in
-            :func:`packed_ce.cross_entropy`) and of :class:`packed_ce.ChunkOptions`:
-            ``grad_accumulation_dtype=None`` (dtype of the running ``dL/dW`` over chunks),
-            ``chunk_size=None`` (rows of logits per chunk; default at most 256 MiB a chunk),
-            ``drop_ignored_rows=None`` (leave rows without a target out of the GEMMs where
-            that pays, one host sync), each explained there; they override the objects' fields.
+        **keywords: the fields of :class:`packed_ce.LossOptions` and of
+            :class:`packed_ce.ChunkOptions` (explained there); they override the objects' fields.
 
     Returns:
         As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the
@@ -88,11 +84,9 @@ def fused_linear_cross_entropy(
         logits it reads for the loss (no extra GEMM). Gradients have their inputs' dtypes.
 
     Raises:
-        ValueError / TypeError naming the argument, as :func:`packed_ce.cross_entropy` (which
-        also says what is checked when, and what unchecked bad values give: the same here), and
-        for mismatched ``hidden``/``weight``/``bias`` shapes, dtypes or devices. RuntimeError
-        for a second backward through one call and for ``create_graph=True``, on both backends
-        (the gradients are computed in the chunk loop, outside autograd's graph).
+        As :func:`packed_ce.cross_entropy`, and for mismatched ``hidden``/``weight``/``bias``
+        shapes, dtypes or devices; RuntimeError for a second backward and for
+        ``create_graph=True`` on both backends (the gradients are computed outside autograd).
 
     Example:
         >>> import torch, packed_ce
@@ -105,12 +99,19 @@ def fused_linear_cross_entropy(
         >>> loss
         tensor(1.3863, grad_fn=<FusedLinearCrossEntropyFunctionBackward>)
     """
-    check_tensor("hidden", hidden)
-    check_tensor("weight", weight)
-    check_tensor("bias", bias, optional=True)
     options, chunk_options = split_keywords(
         keywords, options, chunked=True, chunk_options=chunk_options
     )
+    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
+    return _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options)
+
+
+def _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options):
+    """:func:`fused_linear_cross_entropy` once its keywords are objects (the module calls it
+    directly)."""
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight)
+    check_tensor("bias", bias, optional=True)
     backend = resolve_backend(options.backend, hidden)
     hidden, weight, bias = _autocast(hidden, weight, bias)
     check_linear(hidden, weight, bias, allowed_dtypes(backend))
@@ -127,13 +128,7 @@ def fused_linear_cross_entropy(
             stats=stats,
         ),
         labels,
-        Boundaries(
-            cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            num_items_in_batch=num_items_in_batch,
-            seq_targets=seq_targets,
-            seq_weights=seq_weights,
-        ),
+        boundaries,
         options,
         backend=backend,
         logits_shape=torch.Size((*hidden.shape[:-1], weight.shape[0])),
@@ -177,18 +172,11 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        return fused_linear_cross_entropy(
-            hidden,
-            weight,
-            labels,
-            bias=bias,
-            cu_seqlens=cu_seqlens,
-            position_ids=position_ids,
-            num_items_in_batch=num_items_in_batch,
-            seq_targets=seq_targets,
-            seq_weights=seq_weights,
-            options=self.options,
-            chunk_options=self.chunk_options,
+        boundaries = Boundaries(
+            cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
+        )
+        return _fused_linear(
+            hidden, weight, labels, bias, boundaries, self.options, self.chunk_options
         )
 
     def extra_repr(self) -> str:

@@ -18,7 +18,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,25 +43,30 @@ def _finite_float(name: str, value: Any) -> float:
     return value
 
 
+class KernelFloats(NamedTuple):
+    """The three float options as the kernels read them (:attr:`LossOptions.kernel_floats`):
+    runtime arguments, so a new value does not recompile; ``softcap=0.0`` means none."""
+
+    label_smoothing: float
+    z_loss_scale: float
+    softcap: float
+
+
 @dataclass(frozen=True)
 class LossOptions:
     """The options of the packed cross entropy: validated once, then read by every layer.
 
     Attributes:
         is_packed: weight a target of sequence ``s`` by ``1 / n_s`` (``n_s`` = targets in ``s``),
-            so "sum" is the sum of per-sequence mean losses and "mean" divides it by the number
-            of sequences with a target; needs ``cu_seqlens`` or ``position_ids``. With the
-            per-call ``seq_targets`` / ``seq_weights`` (:class:`Boundaries`) the weight is
-            ``seq_weights[s] / seq_targets[s]`` and "mean" divides by the weight mass.
+            so "mean" is the mean over sequences of their mean token loss; needs ``cu_seqlens``
+            or ``position_ids``. The weights and the normaliser ``D``: :mod:`packed_ce.targets`.
         shift: ``labels`` are aligned with the inputs (transformers' causal-LM convention): the
             target of ``logits[t]`` is ``labels[t+1]`` if ``t+1`` is in the same sequence (or
             row, without boundaries), else none. Never crosses a sequence boundary.
         ignore_index: label value that is not a target (0 loss, 0 gradient).
-        reduction: "mean" (``sum / D``), "sum", or "none" (per token, ``labels``-shaped, summing
-            to "sum"). ``D`` = ``num_items_in_batch`` if given, else :func:`count_normaliser`:
-            the number of targets (``is_packed=False``) or of sequences with a target
-            (``is_packed=True``); with ``seq_targets`` or ``seq_weights`` the weight mass
-            ``sum_t w_t``. ``D == 0`` gives loss 0 and zero gradients.
+        reduction: "mean" (``sum / D``, ``D`` = ``num_items_in_batch`` or
+            :func:`packed_ce.count_normaliser`; ``D == 0`` gives loss 0 and zero gradients),
+            "sum", or "none" (per token, ``labels``-shaped, summing to "sum").
         label_smoothing: ``eps`` in ``[0, 1]``, PyTorch's meaning.
         z_loss_scale: weight (``>= 0``) of ``lse**2`` in each token's loss.
         softcap: None, or ``c > 0``: logits pass through ``c * tanh(x / c)`` first.
@@ -81,16 +86,12 @@ class LossOptions:
         backend: "triton" (the kernel; on CPU tensors through the Triton interpreter when
             ``TRITON_INTERPRET=1``), "torch" (the PyTorch reference), or "auto" (the kernel on
             CUDA, the reference elsewhere).
-        validate: check label range and ``cu_seqlens`` contents; a bad value raises a
-            ValueError naming it. On the CPU, and on CUDA with ``backend="torch"`` (one host
-            sync), inside the call. On CUDA with the kernel, without any host sync: the checks
-            run on the device, the call's loss and gradients are NaN if one fails, and the
-            error is raised at the start of the next loss call or by
-            :func:`packed_ce.check_pending`, whichever comes first (call it before
-            ``optimizer.step()`` to never step on bad input). A tensor ``num_items_in_batch`` is
-            checked the same way. Skipped under ``torch.compile`` and CUDA-graph capture. With
-            False nothing is checked (what unchecked bad values give:
-            :func:`packed_ce.cross_entropy`).
+        validate: check the values (label range, the contents of ``cu_seqlens``,
+            ``seq_targets``, ``seq_weights`` and of a tensor ``num_items_in_batch``); a bad one
+            raises a ValueError naming it, inside the call or at the next one
+            (:func:`packed_ce.check_pending` says when). With False nothing is checked and only
+            memory safety is promised (no out-of-bounds access, no device assert, no hang): the
+            result of a call with invalid values is unspecified, and may differ by backend.
 
     Raises:
         TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out
@@ -148,6 +149,12 @@ class LossOptions:
         object.__setattr__(self, "label_smoothing", label_smoothing)
         object.__setattr__(self, "z_loss_scale", z_loss_scale)
         object.__setattr__(self, "softcap", softcap)
+
+    @property
+    def kernel_floats(self) -> KernelFloats:
+        """``label_smoothing``, ``z_loss_scale`` and ``softcap`` (0.0 for None) for the kernels."""
+        softcap = 0.0 if self.softcap is None else self.softcap
+        return KernelFloats(self.label_smoothing, self.z_loss_scale, softcap)
 
 
 @dataclass(frozen=True)

@@ -6,21 +6,16 @@ the rows are computed (given logits, or chunks of ``hidden @ weight.T + bias``).
 else, in this order, is :func:`run_loss`:
 
 1. the value checks of earlier calls still pending are read, and raise if one failed
-   (:func:`packed_ce.validation.check_pending`);
+   (:func:`packed_ce.check_pending`, which says when values are checked);
 2. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
    were checked when their :class:`packed_ce.options.LossOptions` was built);
-3. on the torch backend, label range and the contents of ``cu_seqlens``, ``seq_targets`` and
-   ``seq_weights`` are checked now, with a host sync on CUDA (the reference would index out of
-   range on a bad label);
-4. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
-5. on the Triton backend, the same checks are queued on the device without waiting for them
-   (:func:`packed_ce.validation.queue_value_checks`; on CPU tensors they run now): a failed one
-   makes the coefficients NaN, so this call's loss is NaN, and raises at step 1 of the next call
-   or at :func:`packed_ce.check_pending` (``seq_targets`` / ``seq_weights`` included);
-6. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
+3. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
+4. with ``validate``, the values are checked (:func:`packed_ce.validation.check_values`): now,
+   or on the device for the kernel on CUDA, where a failure makes the coefficients NaN;
+5. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
    ``return_token_stats`` or ``return_seq_losses``, fills the per-row stats buffer in the same
    pass);
-7. "none" is reshaped to the labels' shape; the stats are summed over the targets, or over each
+6. "none" is reshaped to the labels' shape; the stats are summed over the targets, or over each
    sequence's targets.
 """
 
@@ -32,15 +27,10 @@ import torch
 
 from .options import Boundaries, LossOptions
 from .reference import compute_dtype
+from .pending import check_pending
 from .stats import sum_sequence_losses, sum_token_stats
 from .targets import Targets, prepare_targets, sequence_ids
-from .validation import (
-    allowed_dtypes,
-    check_arguments,
-    check_pending,
-    check_values,
-    queue_value_checks,
-)
+from .validation import allowed_dtypes, check_arguments, check_values
 
 
 def run_loss(
@@ -87,23 +77,14 @@ def run_loss(
         allowed=allowed_dtypes(backend),
         name=name,
     )
-    vocab = logits_shape[-1]
-    per_sequence = dict(
-        shift=options.shift,
-        seq_targets=boundaries.seq_targets,
-        seq_weights=boundaries.seq_weights,
-    )
-    # what check_values reads (label range, cu_seqlens contents, a tensor count's value)
-    values = (labels, vocab, options.ignore_index, boundaries.cu_seqlens)
-    if options.validate and backend == "torch":
-        check_values(*values, boundaries.num_items_in_batch, **per_sequence)
     prepared = prepare_targets(
         labels, boundaries, options, dtype=compute_dtype(dtype), use_kernel=backend == "triton"
     )
-    if options.validate and backend == "triton":
-        queue_value_checks(
-            *values, prepared.coef, boundaries.num_items_in_batch, **per_sequence
-        )
+    if options.validate:
+        # the kernel's checks may be deferred (they then make the coefficients NaN); the
+        # reference's are read now
+        coef = prepared.coef if backend == "triton" else None
+        check_values(labels, logits_shape[-1], boundaries, options, coef)
     stats = None
     if options.return_token_stats or options.return_seq_losses:
         # zeros: a row the loss skips (no target, left out of the GEMMs) is never written

@@ -1,4 +1,4 @@
-"""Where the Triton kernels can run."""
+"""Where the Triton kernels can run, and what the current context allows (tracing, grad mode)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,23 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
                 "tensors through the interpreter"
             )
     return backend
+
+
+def is_tracing() -> bool:
+    """True under torch.compile or CUDA-graph capture, where a host sync is impossible."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_first_order(what: str, fix: str) -> None:
+    """RuntimeError inside a backward run with ``create_graph=True`` (grad mode is on there).
+
+    The kernels' gradients are computed outside autograd and carry no graph: a gradient of the
+    gradient would silently be missing, so it is refused at the first backward instead.
+    """
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{what} gives first-order gradients only (its backward builds no graph), so "
+            f"create_graph=True cannot give a higher-order gradient: use {fix} for that"
+        )

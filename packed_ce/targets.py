@@ -23,13 +23,13 @@ Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
-from .validation import check_labels, check_tensor, clamp_cu_seqlens, is_tracing, own_targets
+from .records import own_targets
+from .validation import check_labels, check_tensor
 
 
 @dataclass
@@ -45,14 +45,6 @@ class Targets:
 
     targets: torch.Tensor
     coef: torch.Tensor
-
-
-def _clamped(boundaries: Boundaries, labels: torch.Tensor) -> Boundaries:
-    """``boundaries`` with ``cu_seqlens`` as every backend reads it (:func:`clamp_cu_seqlens`)."""
-    if boundaries.cu_seqlens is None:
-        return boundaries
-    cu_seqlens = clamp_cu_seqlens(boundaries.cu_seqlens, labels.numel())
-    return dataclasses.replace(boundaries, cu_seqlens=cu_seqlens)
 
 
 def sequence_ids(
@@ -238,15 +230,10 @@ def count_normaliser(
         ``n_s / m_s`` of an unsplit sequence is exactly 1).
 
     Raises:
-        ValueError / TypeError naming the argument, for ``seq_targets`` / ``seq_weights`` of
-        the wrong type, shape or device, or without ``cu_seqlens`` (their contents are checked
-        by the loss).
-
-    Raises:
         TypeError / ValueError naming the argument, for what metadata tells (types, shapes,
-        devices, both or no boundaries with ``is_packed``). The contents of ``cu_seqlens`` are
-        not checked (that would be a host sync): a malformed one is counted as the loss reads
-        it unvalidated (:func:`packed_ce.validation.clamp_cu_seqlens`).
+        devices, both or no boundaries with ``is_packed``, ``seq_targets`` / ``seq_weights``
+        without ``cu_seqlens``). Contents are not checked (that would be a host sync): the count
+        of malformed values is unspecified.
 
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
@@ -274,7 +261,6 @@ def count_normaliser(
     )
     # checks seq_targets / seq_weights too (check_per_sequence)
     check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
-    boundaries = _clamped(boundaries, labels)
     # float64: the step's normaliser is a sum of fractions over micro-batches and processes,
     # kept exact to ~1e-16 until the loss rounds it once to its compute dtype
     return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
@@ -339,11 +325,6 @@ def prepare_targets(
     labels = labels.contiguous()  # the kernels read labels and targets as dense (N,) arrays
     boundaries = boundaries if boundaries is not None else Boundaries()
     options = options if options is not None else LossOptions()
-    if not options.validate or is_tracing():
-        # Unchecked values are read the same way on every backend. Checked ones need no clamp
-        # (a malformed cu_seqlens raises, and its call's loss is NaN): four launches saved per
-        # call on the default path; the kernels stay memory-safe either way.
-        boundaries = _clamped(boundaries, labels)
     if options.reduction == "mean" and boundaries.seq_weights is not None:
         boundaries = _weights_over_mass(labels, boundaries, options, dtype)
     # Under torch.compile the PyTorch path is traced instead: inductor fuses it by itself.

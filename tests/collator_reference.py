@@ -1,4 +1,5 @@
-"""Independent references for the collator tests: a context-free model and per-conversation losses by loops.
+"""Independent references for the collator tests: a context-free model, and the suite's per-sequence
+loss (:func:`loss_utils.per_sequence_loss`) applied to whole conversations and to packed batches.
 
 The model is a lookup table: the logits of a token depend on that token only, so a conversation gives the
 same logits whole, cut into pieces, packed with others or sharded across ranks. Any difference in a loss is
@@ -7,9 +8,9 @@ then a difference in which targets are trained and how they are weighed.
 
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
+
+from loss_utils import per_sequence_loss
 
 IGNORE = -100
 
@@ -22,14 +23,13 @@ def lookup_table(vocab_size: int, seed: int = 0) -> torch.Tensor:
 def conversation_mean_loss(table: torch.Tensor, input_ids, labels) -> torch.Tensor | None:
     """Mean token loss of one whole conversation under the causal shift, or None without a target."""
     input_ids, labels = torch.as_tensor(input_ids), torch.as_tensor(labels)
-    targets = labels[1:]
-    if not (targets != IGNORE).any():
+    if not (labels[1:] != IGNORE).any():
         return None
-    return F.cross_entropy(table[input_ids[:-1]], targets, ignore_index=IGNORE)
+    return per_sequence_loss(table[input_ids], labels, [(0, len(labels))], is_packed=True, shift=True)
 
 
 def packed_weighted_sum(table: torch.Tensor, batch, logits: torch.Tensor | None = None):
-    """`(sum_t w_t l_t, sum_t w_t)` of a packed batch, looping over its sequences.
+    """`(sum_t w_t l_t, sum_t w_t)` of a packed batch.
 
     `logits` `(T, V)`, optional: the batch's logits (default: `table[input_ids]`), e.g. a leaf for their gradient.
 
@@ -39,15 +39,13 @@ def packed_weighted_sum(table: torch.Tensor, batch, logits: torch.Tensor | None 
     input_ids, labels = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1)
     logits = table[input_ids] if logits is None else logits
     bounds = batch["cu_seqlens"].tolist()
-    weights = batch.get("seq_weights")
-    total, mass = table.new_zeros(()), table.new_zeros(())
-    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        targets = labels[start + 1 : end]
-        trained = targets != IGNORE
-        if not trained.any():
-            continue
-        weight = (1.0 if weights is None else float(weights[s])) / int(batch["seq_targets"][s])
-        losses = F.cross_entropy(logits[start : end - 1], targets, ignore_index=IGNORE, reduction="none")
-        total = total + weight * losses.sum()
-        mass = mass + weight * trained.sum().to(table.dtype)  # an int tensor times a float would be float32
-    return total, mass
+    slices = list(zip(bounds[:-1], bounds[1:]))
+    seq_targets = batch["seq_targets"].tolist()
+    weights = batch["seq_weights"].tolist() if "seq_weights" in batch else [1.0] * len(slices)
+    total = per_sequence_loss(
+        logits, labels, slices, is_packed=True, shift=True, reduction="sum",
+        seq_targets=seq_targets, seq_weights=weights,
+    )
+    counts = [int((labels[start + 1 : end] != IGNORE).sum()) for start, end in slices]
+    mass = sum(a * n / m for a, n, m in zip(weights, counts, seq_targets))
+    return total, torch.tensor(mass, dtype=table.dtype)

@@ -1,6 +1,10 @@
-"""Test helpers of the loss tests: random packings, the devices the kernel runs on, seeds.
+"""Test helpers of the loss tests: the ground truth, tolerances, random packings, the devices
+the kernel runs on, seeds.
 
-The ground truth they are compared with is the ``per_sequence_loss`` fixture of ``conftest.py``.
+The ground truth is :func:`per_sequence_loss` (also the ``per_sequence_loss`` fixture): it never
+looks at ``cu_seqlens`` or ``position_ids``, takes the sequences as Python slices, runs
+``F.cross_entropy`` on each one as if it were unpacked, and averages, which is what the packed
+loss must equal. It does not use ``packed_ce``, so a mistake there cannot hide in the reference.
 """
 
 from __future__ import annotations
@@ -12,9 +16,97 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 HAS_CUDA = torch.cuda.is_available()
+
+def per_sequence_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    slices: list[tuple[int, int]],
+    *,
+    is_packed: bool,
+    shift: bool,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch=None,
+    seq_targets: list[int] | None = None,
+    seq_weights: list[float] | None = None,
+) -> torch.Tensor:
+    """The loss computed one sequence at a time with ``F.cross_entropy``, in float64.
+
+    For ``is_packed=True``: each sequence's mean token loss, summed ("sum") or averaged over the
+    sequences that have a target ("mean"). For ``is_packed=False``: the token sum or mean.
+    "none" is not handled here (it is checked through its sum).
+
+    ``seq_targets`` / ``seq_weights`` (one per slice): sequence ``i``'s token sum weighs
+    ``seq_weights[i] / seq_targets[i]`` (packed) or ``seq_weights[i]`` instead, and "mean"
+    divides by the weighted count of targets, ``sum_i seq_weights[i] * count_i / seq_targets[i]``
+    (packed) or ``sum_i seq_weights[i] * count_i``.
+    """
+    x_all = logits.reshape(-1, logits.shape[-1]).double()
+    y_all = labels.reshape(-1)
+    if softcap is not None:
+        x_all = softcap * torch.tanh(x_all / softcap)
+    seq_sums, seq_counts, seq_scales = [], [], []
+    for i, (start, end) in enumerate(slices):
+        x, y = x_all[start:end], y_all[start:end]
+        if shift:
+            x, y = x[:-1], y[1:]
+        count = int((y != ignore_index).sum())
+        if count == 0:
+            continue
+        total = F.cross_entropy(
+            x, y, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="sum"
+        )
+        lse = torch.logsumexp(x[y != ignore_index], dim=-1)
+        total = total + z_loss_scale * lse.square().sum()
+        seq_sums.append(total)
+        seq_counts.append(count)
+        weight = 1.0 if seq_weights is None else float(seq_weights[i])
+        whole = count if seq_targets is None else int(seq_targets[i])
+        seq_scales.append(weight / whole if is_packed else weight)
+    # keeps the graph alive when nothing is a target (-inf logits, masked entries, add 0 too)
+    zero = x_all.nan_to_num(neginf=0.0).sum() * 0.0
+    if not seq_sums:
+        return zero
+    if seq_targets is not None or seq_weights is not None:
+        total = sum(a * s for a, s in zip(seq_scales, seq_sums))
+        items = sum(a * c for a, c in zip(seq_scales, seq_counts))
+    elif is_packed:
+        per_seq = torch.stack([s / c for s, c in zip(seq_sums, seq_counts)])
+        total, items = per_seq.sum(), len(per_seq)
+    else:
+        total, items = torch.stack(seq_sums).sum(), sum(seq_counts)
+    if reduction == "sum":
+        return total + zero
+    denominator = items if num_items_in_batch is None else float(num_items_in_batch)
+    return total / denominator + zero if denominator > 0 else zero
+
+
+# One (rtol, atol) per dtype of the result under test, elementwise against a float64 ground truth:
+# float32 arithmetic gives a few ulps per term (the kernel's exp and log included); bf16 and fp16
+# results are rounded once, at the end, to 8 and 11 significant bits.
+TOLERANCES = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (2e-5, 1e-6),
+    torch.bfloat16: (2e-2, 1e-5),
+    torch.float16: (5e-3, 1e-6),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, **kwargs):
+    """``torch.testing.assert_close`` elementwise in float64 with the (rtol, atol) of ``dtype``
+    (default: ``actual``'s); a failure prints the worst element and how many are off."""
+    rtol, atol = TOLERANCES[dtype or actual.dtype]
+    torch.testing.assert_close(
+        actual.detach().cpu().double(), expected.detach().cpu().double(), rtol=rtol, atol=atol, **kwargs
+    )
+
 
 # Where the Triton kernel can run in this session: CPU tensors through the interpreter (CI),
 # CUDA tensors compiled (GPU machine, TRITON_INTERPRET unset).

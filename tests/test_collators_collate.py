@@ -6,9 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 datasets = pytest.importorskip("datasets")  # not on every GPU image
 from collator_reference import IGNORE  # also derandomises hypothesis when CI is set
+from loss_utils import per_sequence_loss
 from datasets import Dataset
 from torch.utils.data import DataLoader
 
@@ -129,14 +129,13 @@ def test_packed_properties(seqs, multiple):
 
 
 def per_sequence_mean_loss(logits, labels, cu_seqlens):
-    """Reference: shifted token loss averaged within each sequence, then over sequences with a target."""
-    logits, labels = logits.reshape(-1, logits.shape[-1]).double(), labels.reshape(-1)
-    means = []
-    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-        targets = labels[start + 1 : end]
-        if (targets != IGNORE).any():
-            means.append(F.cross_entropy(logits[start : end - 1], targets, ignore_index=IGNORE))
-    return torch.stack(means).mean(), len(means)
+    """The suite's reference (:func:`loss_utils.per_sequence_loss`) under the shift, and the number of
+    sequences with a target."""
+    logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    bounds = cu_seqlens.tolist()
+    slices = list(zip(bounds[:-1], bounds[1:]))
+    count = sum(bool((labels[start + 1 : end] != IGNORE).any()) for start, end in slices)
+    return per_sequence_loss(logits, labels, slices, is_packed=True, shift=True), count
 
 
 def test_packed_and_padded_hold_the_same_targets():
@@ -208,20 +207,10 @@ def test_dataloader_workers_match_single_process(collator):
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_causal_lm_sees_each_packed_sequence_alone(attn_implementation):
     """model(**batch) on a packed row gives, for every sequence, the logits of that sequence run alone."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    pytest.importorskip("transformers")
+    from packed_ce.integrations import tiny_causal_lm
 
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn_implementation,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_causal_lm(64, attn_implementation=attn_implementation).eval()
     examples = [
         {"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 3, 12, 1, 5)
     ]

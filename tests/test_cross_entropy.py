@@ -20,6 +20,7 @@ from packed_ce.targets import count_normaliser, prepare_targets
 
 from loss_utils import (
     KERNEL_DEVICES,
+    assert_close,
     OPTION_SETS,
     seed_for_test,
     random_packing,
@@ -27,8 +28,6 @@ from loss_utils import (
 )
 
 V_UNALIGNED = 1531  # two full interpreter blocks and a masked tail
-# (dtype, rtol of loss and gradients against a float64 ground truth)
-KERNEL_TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def _boundaries(packing, kind: str) -> dict:
@@ -89,17 +88,25 @@ def test_reference_matches_per_sequence_loop(boundary, batched, is_packed, shift
 # --- the kernel against the reference and the loop ------------------------------------------
 
 
+# The four layouts, (N, V) or (B, T, V) logits with cu_seqlens or position_ids, paired with the
+# grid in turn (each is an explicit part of the test id) instead of multiplying it by four.
+LAYOUTS = [("(N,V)", "cu"), ("(B,T,V)", "pos"), ("(N,V)", "pos"), ("(B,T,V)", "cu")]
+KERNEL_GRID = [
+    pytest.param(*case, layout, options, id=f"{'-'.join(map(str, case))}-{name}-{layout[0]}-{layout[1]}")
+    for i, (case, (name, options)) in enumerate(
+        itertools.product(
+            itertools.product(["mean", "sum", "none"], [True, False], [True, False]), OPTION_SETS.items()
+        )
+    )
+    for layout in [LAYOUTS[i % len(LAYOUTS)]]
+]
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize(
-    "reduction,is_packed,shift",
-    list(itertools.product(["mean", "sum", "none"], [True, False], [True, False])),
-)
-@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, options, per_sequence_loss):
-    seed = seed_for_test()
-    gen = torch.Generator().manual_seed(seed)
-    # alternate the layouts across the grid instead of multiplying it
-    batched, boundary = seed % 2 == 0, ("cu", "pos")[(seed // 2) % 2]
+@pytest.mark.parametrize("reduction,is_packed,shift,layout,options", KERNEL_GRID)
+def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, layout, options, per_sequence_loss):
+    gen = torch.Generator().manual_seed(seed_for_test())
+    batched, boundary = layout[0] == "(B,T,V)", layout[1]
     packing = random_packing(gen, V_UNALIGNED, rows=2 if batched else None, row_len=20, n_tokens=40, device=device)
     logits = _logits(gen, packing.labels.shape, V_UNALIGNED, torch.float32, device)
     kwargs = dict(
@@ -118,9 +125,8 @@ def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, 
     loss, grad = _loss_and_grad(run("triton"), logits, upstream)
     ref_loss, ref_grad = _loss_and_grad(run("torch"), logits.double(), upstream)
     assert loss.dtype == torch.float32 and grad.dtype == logits.dtype
-    tol = KERNEL_TOLERANCES[torch.float32]
-    assert relative_error(loss, ref_loss) < tol
-    assert relative_error(grad, ref_grad) < tol
+    assert_close(loss, ref_loss)
+    assert_close(grad, ref_grad)
 
     loop_kwargs = {k: v for k, v in kwargs.items() if k not in ("cu_seqlens", "position_ids", "reduction")}
     loop_reduction = "sum" if reduction == "none" else reduction
@@ -129,9 +135,9 @@ def test_kernel_matches_reference_and_loop(device, reduction, is_packed, shift, 
         logits.double(),
         upstream.sum() if reduction == "none" else upstream,
     )
-    assert relative_error(loss.sum(), loop_loss) < tol
+    assert_close(loss.sum(), loop_loss)
     if reduction != "none":  # with a per-token upstream the loop's single scalar is not comparable
-        assert relative_error(grad, loop_grad) < tol
+        assert_close(grad, loop_grad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -223,8 +229,8 @@ def test_non_contiguous_inputs(device, layout):
     kwargs = dict(cu_seqlens=packing.cu_seqlens, is_packed=True, shift=True)
     loss, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="triton", **kwargs), logits)
     ref_loss, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="torch", **kwargs), logits.double())
-    assert relative_error(loss, ref_loss) < 2e-5
-    assert relative_error(grad, ref_grad) < 2e-5
+    assert_close(loss, ref_loss)
+    assert_close(grad, ref_grad)
 
 
 # --- inplace_backward -----------------------------------------------------------------------
@@ -245,8 +251,8 @@ def test_inplace_backward(device, reduction, inplace):
     x = leaf * 1.0  # a non-leaf, as the output of an lm_head is
     loss = packed_ce.cross_entropy(x, packing.labels, backend="triton", inplace_backward=inplace, **kwargs)
     loss.backward(torch.ones_like(loss))
-    assert relative_error(leaf.grad, ref_grad) < 2e-5
-    assert relative_error(loss.detach(), ref_loss) < 2e-5
+    assert_close(leaf.grad, ref_grad)
+    assert_close(loss.detach(), ref_loss)
     if inplace:
         # documented: the storage of logits now holds their gradient
         torch.testing.assert_close(x.detach(), leaf.grad)
@@ -270,7 +276,7 @@ def test_float16_gradient_sees_the_loss_scale(device):
     _, grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="triton", **kwargs), logits, scale)
     _, ref_grad = _loss_and_grad(lambda x: packed_ce.cross_entropy(x, labels, backend="torch", **kwargs), logits.float(), scale)
     assert grad.dtype == torch.float16
-    assert relative_error(grad, ref_grad) < 5e-3
+    assert_close(grad, ref_grad)
     # entries the scaled gradient makes representable must not have been flushed
     representable = ref_grad.abs() > 2**-24
     assert (grad[representable] != 0).float().mean() > 0.99
@@ -390,7 +396,7 @@ def test_none_with_long_ignored_runs_keeps_gradients(device):
     targets = labels != -100
     assert grad[targets].abs().sum(-1).min() > 0
     assert not grad[~targets].any()
-    assert relative_error(grad, ref_grad) < 2e-5
+    assert_close(grad, ref_grad)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -403,11 +409,12 @@ def test_return_z_loss(device):
     ref_loss, ref_z = packed_ce.cross_entropy(logits, packing.labels, z_loss_scale=1e-2, backend="torch", **kwargs)
     plain, zero_z = packed_ce.cross_entropy(logits, packing.labels, backend="triton", **kwargs)
     assert not z.requires_grad
-    assert relative_error(z, ref_z) < 2e-5 and float(z) > 0
+    assert_close(z, ref_z)
+    assert float(z) > 0
     assert float(zero_z) == 0.0
     # the z-term is part of the loss, reduced with the same weights
     torch.testing.assert_close(loss, plain + z, rtol=1e-5, atol=1e-6)
-    assert relative_error(loss, ref_loss) < 2e-5
+    assert_close(loss, ref_loss)
 
 
 def test_module_holds_options():
@@ -442,8 +449,8 @@ def test_compile_fullgraph(device):
     compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
     loss, grad = _loss_and_grad(lambda x: compiled(x, packing.labels, packing.cu_seqlens), logits)
     ref_loss, ref_grad = _loss_and_grad(lambda x: step(x, packing.labels, packing.cu_seqlens), logits)
-    assert relative_error(loss, ref_loss) < 1e-5
-    assert relative_error(grad, ref_grad) < 1e-5
+    assert_close(loss, ref_loss)
+    assert_close(grad, ref_grad)
 
 
 # --- options and the normaliser ---------------------------------------------------------------
@@ -624,46 +631,34 @@ def test_narrow_label_dtypes_are_checked_as_integers(backend_device, dtype, voca
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize(
-    "cu_seqlens,read_as",
-    [
-        ([2, 4, 6], [0, 4, 6]),  # not starting at 0
-        ([0, 3, 5], [0, 3, 6]),  # not ending at N
-        ([0, 4, 2, 6], [0, 4, 4, 6]),  # decreasing: a running maximum
-        ([0, -3, 3, 9], [0, 0, 3, 6]),  # values outside [0, N]
-    ],
-    ids=["from-2", "to-5", "decreasing", "out-of-range"],
+    "cu_seqlens",
+    [[2, 4, 6], [0, 3, 5], [0, 4, 2, 6], [0, -3, 3, 9], [0, 99, -99, 6]],
+    ids=["from-2", "to-5", "decreasing", "out-of-range", "far-out"],
 )
-def test_malformed_cu_seqlens_unchecked_read_alike(backend_device, cu_seqlens, read_as, per_sequence_loss):
-    """validate=False: a malformed cu_seqlens is read clamped (documented) on both backends."""
+def test_malformed_cu_seqlens_refused_or_memory_safe(backend_device, cu_seqlens):
+    """A malformed cu_seqlens raises when validated; with validate=False the call only has to
+    stay memory-safe (its value is unspecified): a loss and a gradient of the right shapes."""
     backend, device = backend_device
-    gen = torch.Generator().manual_seed(seed_for_test())
-    logits = torch.randn(6, 13, generator=gen, dtype=torch.float64)
-    labels = torch.tensor([1, 2, -100, 4, 5, 6])
-    kwargs = dict(is_packed=True, shift=True, reduction="mean")
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(0)).to(device)
+    labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
+    kwargs = dict(is_packed=True, shift=True, backend=backend)
     cu = torch.tensor(cu_seqlens, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        packed_ce.cross_entropy(logits.float().to(device), labels.to(device), cu_seqlens=cu, backend=backend, **kwargs)
+        packed_ce.cross_entropy(logits, labels, cu_seqlens=cu, **kwargs)
         packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss, grad = _loss_and_grad(
-        lambda x: packed_ce.cross_entropy(x, labels.to(device), cu_seqlens=cu, backend=backend, validate=False, **kwargs),
-        logits.float().to(device),
+        lambda x: packed_ce.cross_entropy(x, labels, cu_seqlens=cu, validate=False, **kwargs), logits
     )
-    slices = list(zip(read_as[:-1], read_as[1:]))
-    ref_loss, ref_grad = _loss_and_grad(
-        lambda x: per_sequence_loss(x, labels, slices, is_packed=True, shift=True), logits
-    )
-    torch.testing.assert_close(loss.cpu().double(), ref_loss, rtol=2e-5, atol=0)  # float32 math
-    torch.testing.assert_close(grad.cpu().double(), ref_grad, rtol=2e-5, atol=1e-7)
+    assert loss.shape == () and grad.shape == logits.shape
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence_loss):
-    """Under torch.compile the value checks are skipped: a malformed cu_seqlens is read clamped
-    and a NaN count gives NaN, as in eager mode with validate=False, on both backends."""
-    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(seed_for_test()), dtype=torch.float64)
+def test_malformed_inputs_under_compile_are_not_checked(device):
+    """Under torch.compile the value checks are skipped (no host sync is possible): a malformed
+    cu_seqlens and a NaN count run through, memory-safe, their values unspecified."""
+    logits = torch.randn(6, 13, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([1, 2, -100, 4, 5, 6], device=device)
-    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)  # read as [0, 4, 4, 6]
-    expected = per_sequence_loss(logits, labels.cpu(), [(0, 4), (4, 4), (4, 6)], is_packed=True, shift=True)
+    cu = torch.tensor([0, 4, 2, 6], dtype=torch.int32, device=device)
     for backend in ("torch", "triton"):
 
         def step(x, count):
@@ -673,16 +668,16 @@ def test_malformed_inputs_under_compile_read_as_unvalidated(device, per_sequence
 
         torch._dynamo.reset()
         compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-        loss, nan = compiled(logits.float().to(device), torch.tensor(float("nan"), device=device))
-        torch.testing.assert_close(loss.cpu().double(), expected, rtol=2e-5, atol=0)  # float32 math
-        assert torch.isnan(nan)
+        loss, nan = compiled(logits.to(device), torch.tensor(float("nan"), device=device))
+        assert loss.shape == () and nan.shape == ()
+        packed_ce.check_pending()  # nothing was queued
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("value", [-3.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 def test_bad_tensor_num_items(backend_device, value):
-    """A negative or non-finite tensor num_items_in_batch: an error when validated, NaN (never a
-    loss of 0 or of the wrong sign) where its value is not read on the host."""
+    """A negative or non-finite tensor num_items_in_batch: an error when validated; unvalidated,
+    memory-safe (the value is unspecified)."""
     backend, device = backend_device
     logits = torch.randn(4, 9, device=device, requires_grad=True)
     labels = torch.tensor([1, 2, 3, 4], device=device)
@@ -692,7 +687,7 @@ def test_bad_tensor_num_items(backend_device, value):
         packed_ce.check_pending()  # on CUDA the values are checked on the device
     loss = packed_ce.cross_entropy(logits, labels, num_items_in_batch=count, backend=backend, validate=False)
     loss.backward()
-    assert torch.isnan(loss) and torch.isnan(logits.grad).all()
+    assert loss.shape == () and logits.grad.shape == logits.shape
 
 
 @pytest.mark.parametrize("value,error", [(-1, ValueError), (float("nan"), TypeError), (float("inf"), TypeError), (True, TypeError), (2.0, TypeError)])

@@ -4,7 +4,7 @@ With ``validate=True`` on CUDA the label range and ``cu_seqlens`` contents are c
 kernel whose record reaches the host through a non-blocking copy; a bad value makes that call's
 loss and gradients NaN, and its ValueError is raised at the start of the next loss call or by
 ``packed_ce.check_pending()``. On CPU (CI) the same path runs through the Triton interpreter once
-``validation.defers_checks`` is patched to defer CPU tensors too (the record is then complete at
+``pending.defers_checks`` is patched to defer CPU tensors too (the record is then complete at
 once: no copy, no event); tests marked ``cuda`` run it as users do, and check that a validated
 call never synchronises with the device.
 """
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import packed_ce
-from packed_ce import validation
+from packed_ce import pending, records, validation
+from packed_ce.options import Boundaries
 
 from loss_utils import HAS_CUDA, INTERPRETING
 
@@ -34,17 +35,17 @@ cuda_only = [
 def no_pending_checks():
     """Every test starts and ends with an empty queue: a left-over failure would raise in
     whichever loss call comes next, in another test."""
-    validation._pending.clear()
+    pending._pending.clear()
     yield
-    leftover = list(validation._pending)
-    validation._pending.clear()
+    leftover = list(pending._pending)
+    pending._pending.clear()
     assert not leftover, "a test left value checks pending"
 
 
 @pytest.fixture
 def deferred(monkeypatch):
     """Defer the checks of CPU tensors too, as on CUDA."""
-    monkeypatch.setattr(validation, "defers_checks", lambda device: True)
+    monkeypatch.setattr(pending, "defers_checks", lambda device: True)
 
 
 def _loss(kind, labels, *, device="cpu", **kwargs):
@@ -101,9 +102,9 @@ BAD_CASES = [case for case, _, _ in _bad_inputs()]
 
 
 def _same_error(deferred: str, immediate: str) -> bool:
-    """The deferred message starts with the one the call raises itself, or, for the per-sequence
-    checks (whose device record holds flags, not positions), with that message's first clause."""
-    return deferred.startswith(immediate) or deferred.startswith(immediate.split(":")[0])
+    """The deferred message starts with the one the call raises itself: one record, one set of
+    messages."""
+    return deferred.startswith(immediate)
 
 
 def _immediate_message(labels, keywords):
@@ -117,9 +118,11 @@ def _immediate_message(labels, keywords):
 
 
 def _combined(rows):
-    """The kernel's per-program rows as one record, as value_error reads them."""
-    first = next((row for row in rows if row[0]), [0, -1, 0])
-    return [sum(row[0] for row in rows), first[1], first[2], *rows[0][3:]]
+    """The kernel's per-program rows as one record, as records.message reads them."""
+    F = records.Field
+    first = next((row for row in rows if row[F.BAD_LABELS]), [0, -1, 0])
+    return [sum(row[F.BAD_LABELS] for row in rows), first[F.BAD_LABEL_AT],
+            first[F.BAD_LABEL_VALUE], *rows[0][F.CU_FIRST:]]
 
 
 @interpreted
@@ -161,12 +164,13 @@ def test_record_kernel_matches_pytorch(dtype, n):
             rows = launch_value_checks(
                 labels, cu, coef, None, vocab_size=V, ignore_index=ignore
             ).tolist()
-            expected = validation.value_record(labels, V, ignore, cu)
+            expected = records.encode(labels, V, ignore, cu).tolist()
             assert _combined(rows) == expected, (labels.tolist(), cu)
-            malformed = expected[3] != 0 or expected[4] != n or expected[5] >= 0
+            F = records.Field
+            malformed = expected[F.CU_FIRST] != 0 or expected[F.CU_LAST] != n or expected[F.DECREASE_AT] >= 0
             for p, row in enumerate(rows):
                 part = slice(p * 64, (p + 1) * 64)  # the interpreter's block of labels
-                if malformed or row[0]:
+                if malformed or row[F.BAD_LABELS]:
                     assert coef[part].isnan().all()
                 else:
                     assert torch.equal(coef[part], before[part])
@@ -182,8 +186,9 @@ def test_record_of_strided_and_batched_labels(deferred):
     labels = base[::2]  # [1, 2, V, 3, -100, 4]
     cu = torch.tensor([0, 9, 3, 9, 6, 9])[::2]  # [0, 3, 6]
     rows = launch_value_checks(labels, cu, torch.ones(6), None, vocab_size=V, ignore_index=-100)
-    assert _combined(rows.tolist()) == validation.value_record(labels, V, -100, cu)
-    assert validation.value_record(labels, V, -100, cu)[:3] == [1, 2, V]
+    expected = records.encode(labels, V, -100, cu).tolist()
+    assert _combined(rows.tolist()) == expected
+    assert expected[:3] == [1, 2, V]
     _loss("cross_entropy", labels)
     with pytest.raises(ValueError, match=r"the first labels\[2\] = 11"):
         packed_ce.check_pending()
@@ -193,17 +198,21 @@ def test_record_of_strided_and_batched_labels(deferred):
         packed_ce.check_pending()
 
 
-def test_value_error_names_the_position_and_value():
-    rows = [[0, -1, 0, 0, 8, -1, 0, 0, 0, 0, 0, 0], [2, 5, 11, 0, 8, -1, 0, 0, 0, 0, 0, 0]]
-    message = validation.value_error(rows, labels_shape=(2, 4), vocab_size=V, ignore_index=-100)
+def test_message_names_the_position_and_value():
+    good = records.encode(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), V, -100, None).tolist()
+    F = records.Field
+    bad = list(good)  # the second block: labels 5 and 6 are 11
+    bad[F.BAD_LABELS], bad[F.BAD_LABEL_AT], bad[F.BAD_LABEL_VALUE] = 2, 5, 11
+    rows = [good, bad]
+    message = records.message(rows, labels_shape=(2, 4), vocab_size=V, ignore_index=-100)
     assert message == (
         "labels must be in [0, 11) or equal ignore_index=-100; found 2 bad values, "
         "the first labels[1, 1] = 11"
     )
-    good = [[0, -1, 0, 0, 8, -1, 0, 0, 0, 0, 0, 0]]
-    assert validation.value_error(good, labels_shape=(8,), vocab_size=V, ignore_index=-100) is None
-    bad_count = [[0, -1, 0, 0, 8, -1, 0, 0, 1, 0, 0, 0]]
-    message = validation.value_error(bad_count, labels_shape=(8,), vocab_size=V, ignore_index=-100)
+    assert records.message([good], labels_shape=(8,), vocab_size=V, ignore_index=-100) is None
+    bad_count = list(good)
+    bad_count[F.BAD_COUNT] = 1
+    message = records.message([bad_count], labels_shape=(8,), vocab_size=V, ignore_index=-100)
     assert message.startswith("num_items_in_batch must be finite and >= 0")
 
 
@@ -220,13 +229,13 @@ def test_bad_value_gives_nan_then_raises_at_the_next_call(deferred, kind, case):
     expected = _immediate_message(labels, keywords)
     loss, leaf = _loss(kind, labels, **keywords)
     assert loss.isnan().all() and leaf.grad.isnan().any()
-    assert len(validation._pending) == 1
+    assert len(pending._pending) == 1
     good = torch.tensor([1, 2, 3, -100, 4, 10])
     with pytest.raises(ValueError) as error:
         _loss(kind, good)
     assert _same_error(str(error.value), expected)
     assert "earlier loss call" in str(error.value)
-    assert not validation._pending
+    assert not pending._pending
     loss, leaf = _loss(kind, good)
     packed_ce.check_pending()
     assert torch.isfinite(loss) and torch.isfinite(leaf.grad).all()
@@ -253,10 +262,10 @@ def test_good_calls_equal_unvalidated_and_queue_one_check(deferred, kind):
     cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
     keywords = dict(cu_seqlens=cu_seqlens, is_packed=True, shift=True)
     reference, reference_leaf = _loss(kind, labels, validate=False, **keywords)
-    assert not validation._pending
+    assert not pending._pending
     for _ in range(3):
         loss, leaf = _loss(kind, labels, **keywords)
-        assert len(validation._pending) == 1
+        assert len(pending._pending) == 1
         torch.testing.assert_close(loss, reference, rtol=0, atol=0)
         torch.testing.assert_close(leaf.grad, reference_leaf.grad, rtol=0, atol=0)
     packed_ce.check_pending()
@@ -266,9 +275,11 @@ def test_good_calls_equal_unvalidated_and_queue_one_check(deferred, kind):
 def test_several_failures_report_the_first(deferred):
     labels = torch.tensor([1, 2, 3, -100, 4, 10])
     coef = torch.ones(6)
-    validation.queue_value_checks(labels.clone().fill_(V), V, -100, None, coef)
-    validation.queue_value_checks(labels, V, -100, torch.tensor([0, 7]), coef)
-    validation.queue_value_checks(labels, V, -100, torch.tensor([1, 6]), coef)
+    options = packed_ce.LossOptions()
+    for bad, cu_seqlens in ((labels.clone().fill_(V), None), (labels, torch.tensor([0, 7])),
+                            (labels, torch.tensor([1, 6]))):
+        boundaries = Boundaries(cu_seqlens=cu_seqlens)
+        validation.check_values(bad, V, boundaries, options, coef)
     with pytest.raises(ValueError, match=r"found 6 bad values.*2 later calls failed too"):
         packed_ce.check_pending()
 
@@ -277,8 +288,8 @@ def test_several_failures_report_the_first(deferred):
 def test_pending_failure_at_exit_is_a_warning(deferred):
     _loss("cross_entropy", torch.tensor([1, 2, V, -100, 4, 10]))
     with pytest.warns(RuntimeWarning, match="at interpreter exit: labels must be in"):
-        validation._report_pending_at_exit()
-    assert not validation._pending
+        pending._report_pending_at_exit()
+    assert not pending._pending
 
 
 @interpreted
@@ -295,7 +306,7 @@ def test_compiled_calls_neither_check_nor_read_the_queue(deferred):
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     expected = compiled(logits, labels)
-    assert not validation._pending
+    assert not pending._pending
     _loss("cross_entropy", torch.tensor([1, 2, V, -100, 4, 10]))  # eager, bad: queued
     with torch._dynamo.config.patch(error_on_recompile=True):
         torch.testing.assert_close(compiled(logits, labels), expected)
@@ -308,11 +319,11 @@ def test_cpu_values_raise_inside_the_call():
     labels = torch.tensor([1, 2, V, -100, 4, 10])
     with pytest.raises(ValueError, match="labels"):
         packed_ce.cross_entropy(torch.zeros(6, V), labels)
-    assert not validation._pending
+    assert not pending._pending
 
 
 def test_public_name():
-    assert packed_ce.check_pending is validation.check_pending
+    assert packed_ce.check_pending is pending.check_pending
     assert "check_pending" in packed_ce.__all__
 
 
@@ -405,7 +416,7 @@ def test_forked_child_forgets_the_parents_checks(deferred):
     _loss("cross_entropy", torch.tensor([1, 2, V, -100, 4, 10]))
     pid = os.fork()
     if pid == 0:
-        os._exit(0 if not validation._pending else 1)
+        os._exit(0 if not pending._pending else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     with pytest.raises(ValueError, match="labels"):  # the parent still has it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -110,34 +111,58 @@ def _boundaries(packing, kind):
 GRID = list(itertools.product(["mean", "sum", "none"], [True, False], [True, False]))
 
 
-def _grid_case(seed, device, dtype, n_tokens, batched=None):
-    """Random packing and inputs; the layout ((N, H) or (B, T, H), unless given), the boundary
-    format, the bias and whether rows without a target skip the GEMMs alternate with the seed
-    instead of multiplying the grid.
+class Layout(NamedTuple):
+    """How a grid case's inputs are laid out: (N, H) or (B, T, H) hidden states, cu_seqlens or
+    position_ids, with or without a bias, rows without a target dropped from the GEMMs or not."""
+
+    batched: bool
+    boundary: str
+    bias: bool
+    drop: bool
+
+    def __str__(self):
+        return "-".join(
+            ["(B,T,H)" if self.batched else "(N,H)", self.boundary,
+             "bias" if self.bias else "no-bias", "drop" if self.drop else "keep"]
+        )
+
+
+# Every layout, paired with the grid's cases in turn (an explicit part of each test id) instead
+# of multiplying the grid by sixteen.
+LAYOUTS = [Layout(*case) for case in itertools.product([False, True], ["cu", "pos"], [True, False], [True, False])]
+
+
+def _with_layouts(cases):
+    """``cases`` (tuples of parameters) with a layout appended to each, in turn."""
+    return [
+        pytest.param(*case, LAYOUTS[i % len(LAYOUTS)], id="-".join(map(str, (*case, LAYOUTS[i % len(LAYOUTS)]))))
+        for i, case in enumerate(cases)
+    ]
+
+
+def _grid_case(seed, device, dtype, n_tokens, layout):
+    """Random packing and inputs laid out as ``layout``.
 
     Returns:
         ``(generator, packing, inputs, boundaries, fused_options)``.
     """
     gen = torch.Generator().manual_seed(seed)
-    batched = seed % 2 == 0 if batched is None else batched
-    boundary, bias, drop = (
-        ("cu", "pos")[(seed // 2) % 2],
-        (seed // 4) % 2 == 0,
-        (seed // 8) % 2 == 0,
-    )
     packing = random_packing(
-        gen, V, rows=2 if batched else None, row_len=n_tokens // 2, n_tokens=n_tokens, device=device
+        gen, V, rows=2 if layout.batched else None, row_len=n_tokens // 2, n_tokens=n_tokens, device=device
     )
-    inputs = _inputs(gen, packing.labels.shape, V, dtype, device, bias=bias)
-    return gen, packing, inputs, _boundaries(packing, boundary), {"drop_ignored_rows": drop}
+    inputs = _inputs(gen, packing.labels.shape, V, dtype, device, bias=layout.bias)
+    return gen, packing, inputs, _boundaries(packing, layout.boundary), {"drop_ignored_rows": layout.drop}
+
+
+EXPLICIT_GRID = _with_layouts([(*case, name) for case in GRID for name in OPTION_SETS])
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("reduction,is_packed,shift", GRID)
-@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_kernel_matches_explicit_logits(device, reduction, is_packed, shift, options):
+@pytest.mark.parametrize("reduction,is_packed,shift,options,layout", EXPLICIT_GRID)
+def test_kernel_matches_explicit_logits(device, reduction, is_packed, shift, options, layout):
+    options = OPTION_SETS[options]
     gen, packing, inputs, boundaries, fused = _grid_case(
-        seed_for_test(), device, torch.float32, n_tokens=20
+        seed_for_test(), device, torch.float32, n_tokens=20, layout=layout
     )
     kwargs = dict(boundaries, is_packed=is_packed, shift=shift, reduction=reduction, **options)
     # an arbitrary upstream gradient per token for "none"; other scalars than 1 for the
@@ -180,11 +205,11 @@ def test_kernel_matches_the_per_sequence_loop(device, is_packed, reduction, opti
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_kernel_matches_the_unfused_kernel(device, reduction):
+@pytest.mark.parametrize("reduction,layout", _with_layouts([("mean",), ("none",)]))
+def test_kernel_matches_the_unfused_kernel(device, reduction, layout):
     """Against cross_entropy's own kernel on the explicit float32 logits: the same arithmetic."""
     gen, packing, inputs, boundaries, fused = _grid_case(
-        seed_for_test(), device, torch.float32, n_tokens=24
+        seed_for_test(), device, torch.float32, n_tokens=24, layout=layout
     )
     kwargs = dict(boundaries, is_packed=True, shift=True, reduction=reduction, **OPTION_SETS["all"])
     upstream = (
@@ -203,15 +228,15 @@ def test_kernel_matches_the_unfused_kernel(device, reduction):
     _assert_close(ours, explicit, 1e-5)
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["(N,H)", "(B,T,H)"])
-@pytest.mark.parametrize("reduction,is_packed,shift", GRID)
-@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
-def test_torch_backend_float64_matches_explicit_logits(
-    batched, reduction, is_packed, shift, options
-):
+FLOAT64_GRID = EXPLICIT_GRID
+
+
+@pytest.mark.parametrize("reduction,is_packed,shift,options,layout", FLOAT64_GRID)
+def test_torch_backend_float64_matches_explicit_logits(reduction, is_packed, shift, options, layout):
     """The chunk loop in float64: equal to the unfused reference up to round-off."""
+    options = OPTION_SETS[options]
     gen, packing, inputs, boundaries, fused = _grid_case(
-        seed_for_test(), "cpu", torch.float64, n_tokens=40, batched=batched
+        seed_for_test(), "cpu", torch.float64, n_tokens=40, layout=layout
     )
     kwargs = dict(boundaries, is_packed=is_packed, shift=shift, reduction=reduction, **options)
     upstream = (

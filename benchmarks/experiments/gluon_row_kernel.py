@@ -420,6 +420,7 @@ def model(cfg: dict, n: int, v: int, programs: int, seed: int = 0) -> tuple[floa
 
 def main():
     from packed_ce.kernels.cross_entropy import launch_forward
+    from packed_ce.options import KernelFloats
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -491,8 +492,7 @@ def main():
         fns, errs = {}, {}
 
         def packed():
-            return launch_forward(logits, targets, coef, grad, label_smoothing=0.0, z_loss_scale=0.0,
-                                  softcap=0.0)[0]
+            return launch_forward(logits, targets, coef, grad, KernelFloats(0.0, 0.0, 0.0))[0]
 
         ok, ge, le = check("packed_ce", packed)
         fns["packed_ce"], errs["packed_ce"] = packed, (ok, ge, le)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ..validation import check_pending
+from ..pending import check_pending
 from .batch import count_num_items
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY

@@ -13,7 +13,7 @@ Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
   for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
   on the device when it is 1. Where one block spans the row (on a GPU: V <= 16384, or 32768
-  on parts with less memory bandwidth per SM, see :func:`_launch_config`) the row is read once
+  on parts with less memory bandwidth per SM, see :mod:`packed_ce.kernels.config`) the row is read once
   and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the
   floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient, mostly
   from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was tried to
@@ -28,14 +28,13 @@ Dimensions: N rows (tokens), V vocabulary.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ..runtime import interpreting
-from ..validation import check_first_order
+from ..runtime import check_first_order
+from .config import launch_config as _launch_config
+
 
 @triton.jit
 def _softcap_and_slope(raw, softcap):
@@ -66,12 +65,6 @@ def _softcap_and_slope(raw, softcap):
     t = tl.where(small, series, (1.0 - e) / (1.0 + e))
     slope = tl.where(small, 1.0 - series * series, 4.0 * e / ((1.0 + e) * (1.0 + e)))
     return softcap * tl.where(u < 0.0, -t, t), slope
-
-
-@triton.jit
-def _apply_softcap(raw, softcap):
-    x, _ = _softcap_and_slope(raw, softcap)
-    return x
 
 
 @triton.jit
@@ -176,7 +169,7 @@ def _cross_entropy_kernel(
                 x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
                 x_target = tl.load(logits_row + target).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x_target = _apply_softcap(x_target, softcap)
+                    x_target, _ = _softcap_and_slope(x_target, softcap)
                 m = tl.max(x_row, 0)
                 e = tl.exp(x_row - m)
                 s = tl.sum(e, 0)
@@ -190,7 +183,7 @@ def _cross_entropy_kernel(
                 # any warp starts pass 2, whose in-place gradient may overwrite this logit.
                 x_target = tl.load(logits_row + target).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x_target = _apply_softcap(x_target, softcap)
+                    x_target, _ = _softcap_and_slope(x_target, softcap)
                 # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.zeros((), tl.float32)
@@ -299,49 +292,42 @@ def _scale_rows_kernel(
                 )
 
 
-# Bytes per second of memory bandwidth per SM below which a row of up to 32768 columns is held
-# in the registers of one program (one per SM) rather than read twice by programs that share
-# an SM eight at a time. Holding the row saves a third of the bytes but leaves one program per
-# SM, whose loads, reductions and stores no longer overlap with another row's: measured at
-# V=32000 (benchmarks/NOTES.md, v5), it gains 16% on an H100 (25 GB/s per SM) and loses 9% on
-# an H200 (37 GB/s per SM). Two parts measured: the line lies between them.
-ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM = 30e9
-
-
-@functools.cache
-def _bandwidth_per_sm(device_index: int) -> float:
-    """Peak memory bandwidth per SM of a CUDA device, in bytes/s (inf where PyTorch does not
-    report the memory clock and bus width, which keeps two passes: the choice that holds on
-    every part measured)."""
-    props = torch.cuda.get_device_properties(device_index)
-    clock_khz = getattr(props, "memory_clock_rate", 0)
-    bus_bits = getattr(props, "memory_bus_width", 0)
-    if not clock_khz or not bus_bits:
-        return float("inf")
-    # double data rate: two transfers per clock
-    return 2 * clock_khz * 1e3 * bus_bits / 8 / props.multi_processor_count
-
-
-def _launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits on ``device``; the kernel holds
-    the row on chip where BLOCK_V >= vocab_size."""
-    if interpreting():
-        # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
-        # the multi-block loop and its masked tail run at test-sized vocabularies.
-        return min(triton.next_power_of_2(vocab_size), 1024), 1
-    block = triton.next_power_of_2(vocab_size)
-    # One block per row, at most 32 fp32 columns per thread: measured on an H100 and an H200
-    # at V=8000 and 16000 (benchmarks/NOTES.md, v5) as fast as or faster than two passes.
-    if block <= 4096:
-        return block, 8
-    if block <= 16384:
-        return block, 16
-    if block <= 32768 and _bandwidth_per_sm(device.index) < ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM:
-        return block, 32
-    # Two passes over 4096-column blocks, 8 warps: measured on an H200 at V=128256 and an H100
-    # at V=32000 to 262144 faster than larger blocks, rows held in the registers of 16 or 32
-    # warps, persistent and software-pipelined grids, and L2 hints.
-    return 4096, 8
+def _launch(
+    logits, targets, coef, lse, floats, *, grad=None, grad_rows=None, loss=None, z_rows=None,
+    stats=None,
+):
+    """One launch of the row kernel; each optional buffer switches its part on: ``loss`` and
+    ``z_rows`` (then ``lse`` is written, else read), ``grad``, ``grad_rows``, ``stats``."""
+    n, vocab = logits.shape
+    if n == 0:
+        return
+    block, num_warps = _launch_config(vocab, logits.device)
+    label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
+    _cross_entropy_kernel[(n,)](
+        logits_ptr=logits,
+        grad_ptr=grad if grad is not None else logits,  # unused pointers stand in for others
+        targets_ptr=targets,
+        coef_ptr=coef,
+        grad_out_ptr=grad_rows if grad_rows is not None else coef,
+        loss_ptr=loss if loss is not None else lse,
+        z_ptr=z_rows if z_rows is not None else lse,
+        lse_ptr=lse,
+        stats_ptr=stats if stats is not None else lse,
+        V=vocab,
+        stride_logits_n=logits.stride(0),
+        stride_grad_n=grad.stride(0) if grad is not None else 0,
+        stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
+        stride_stats_n=stats.stride(0) if stats is not None else 0,
+        label_smoothing=label_smoothing,
+        z_loss_scale=z_loss_scale,
+        softcap=softcap,
+        COMPUTE_LOSS=loss is not None,
+        COMPUTE_GRAD=grad is not None,
+        HAS_GRAD_OUT=grad_rows is not None,
+        COMPUTE_STATS=stats is not None,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
 
 
 def launch_forward(
@@ -349,10 +335,8 @@ def launch_forward(
     targets: torch.Tensor,
     coef: torch.Tensor,
     grad: torch.Tensor | None,
+    floats,
     *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
     stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
@@ -361,6 +345,8 @@ def launch_forward(
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
         grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
+        floats: ``(label_smoothing, z_loss_scale, softcap)``, a
+            :class:`packed_ce.options.KernelFloats` (softcap 0.0: none).
         stats: ``(N, >=2)`` fp32 buffer with unit column stride, or None: receives each row's
             softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
             ``coef`` is 0), from the same read of the logits as the loss.
@@ -368,39 +354,11 @@ def launch_forward(
     Returns:
         ``(loss, z, lse)``, each ``(N,)`` fp32.
     """
-    n, vocab = logits.shape
     # three allocations, not views of one: custom-op outputs must not alias each other
     loss, z_rows, lse = (
-        torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)
+        torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3)
     )
-    if n == 0:
-        return loss, z_rows, lse
-    block, num_warps = _launch_config(vocab, logits.device)
-    _cross_entropy_kernel[(n,)](
-        logits_ptr=logits,
-        grad_ptr=grad if grad is not None else logits,
-        targets_ptr=targets,
-        coef_ptr=coef,
-        grad_out_ptr=coef,  # unused: HAS_GRAD_OUT=False
-        loss_ptr=loss,
-        z_ptr=z_rows,
-        lse_ptr=lse,
-        stats_ptr=stats if stats is not None else lse,
-        V=vocab,
-        stride_logits_n=logits.stride(0),
-        stride_grad_n=grad.stride(0) if grad is not None else 0,
-        stride_grad_out_n=0,
-        stride_stats_n=stats.stride(0) if stats is not None else 0,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=float(softcap),
-        COMPUTE_LOSS=True,
-        COMPUTE_GRAD=grad is not None,
-        HAS_GRAD_OUT=False,
-        COMPUTE_STATS=stats is not None,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
+    _launch(logits, targets, coef, lse, floats, grad=grad, loss=loss, z_rows=z_rows, stats=stats)
     return loss, z_rows, lse
 
 
@@ -411,10 +369,7 @@ def launch_backward(
     coef: torch.Tensor,
     lse: torch.Tensor,
     grad_rows: torch.Tensor,
-    *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats,
 ) -> torch.Tensor:
     """Writes ``dL/dlogits`` into ``grad`` from the saved ``lse`` and per-row upstream gradients.
 
@@ -422,36 +377,9 @@ def launch_backward(
         logits, grad: ``(N, V)``, ``grad`` may be ``logits`` itself.
         targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
         grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
+        floats: as in :func:`launch_forward`.
     """
-    n, vocab = logits.shape
-    if n == 0:
-        return grad
-    block, num_warps = _launch_config(vocab, logits.device)
-    _cross_entropy_kernel[(n,)](
-        logits_ptr=logits,
-        grad_ptr=grad,
-        targets_ptr=targets,
-        coef_ptr=coef,
-        grad_out_ptr=grad_rows,
-        loss_ptr=lse,  # unused: COMPUTE_LOSS=False
-        z_ptr=lse,
-        lse_ptr=lse,
-        stats_ptr=lse,  # unused: COMPUTE_STATS=False
-        V=vocab,
-        stride_logits_n=logits.stride(0),
-        stride_grad_n=grad.stride(0),
-        stride_grad_out_n=grad_rows.stride(0),
-        stride_stats_n=0,
-        label_smoothing=float(label_smoothing),
-        z_loss_scale=float(z_loss_scale),
-        softcap=float(softcap),
-        COMPUTE_LOSS=False,
-        COMPUTE_GRAD=True,
-        HAS_GRAD_OUT=True,
-        COMPUTE_STATS=False,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
+    _launch(logits, targets, coef, lse, floats, grad=grad, grad_rows=grad_rows)
     return grad
 
 
@@ -492,14 +420,11 @@ class CrossEntropyFunction(torch.autograd.Function):
         logits: torch.Tensor,  # (N, V) fp32/bf16/fp16, unit column stride
         targets: torch.Tensor,  # (N,) int64
         coef: torch.Tensor,  # (N,) fp32
-        label_smoothing: float,
-        z_loss_scale: float,
-        softcap: float,
+        floats,  # packed_ce.options.KernelFloats
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
         stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch_forward's two columns, loss rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hyper = dict(label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, softcap=softcap)
         needs_grad = ctx.needs_input_grad[0]
         # With one scalar upstream gradient the whole gradient is known up to that scalar now,
         # so compute it in the same pass that reads the logits for the loss. Not in fp16: its
@@ -510,7 +435,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, **hyper, stats=stats)
+        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, floats, stats=stats)
         if stats is not None:
             stats[:, 2] = loss  # the rows' weighted losses, before they are summed
         if fused and inplace_backward:
@@ -518,7 +443,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         if reduce:
             loss, z_rows = loss.sum(), z_rows.sum()
         ctx.mark_non_differentiable(z_rows)
-        ctx.fused, ctx.inplace_backward, ctx.hyper = fused, inplace_backward, hyper
+        ctx.fused, ctx.inplace_backward, ctx.floats = fused, inplace_backward, floats
         ctx.backward_done = False
         if fused:
             ctx.save_for_backward(grad)
@@ -545,11 +470,12 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits if ctx.inplace_backward else torch.empty_like(logits)
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
-            launch_backward(logits, grad, targets, coef, lse, grad_rows, **ctx.hyper)
+            launch_backward(logits, grad, targets, coef, lse, grad_rows, ctx.floats)
             if ctx.inplace_backward:
                 _mark_overwritten(logits)
-        # One gradient per forward input: logits, then targets, coef, the five options, stats.
-        return grad, None, None, None, None, None, None, None, None
+        # One gradient per forward input: logits, then none for targets, coef, floats, reduce,
+        # inplace_backward and stats.
+        return grad, None, None, None, None, None, None
 
 
 # torch.compile path: two functional custom ops with registered autograd and fake kernels, so
@@ -561,28 +487,19 @@ def cross_entropy_forward_op(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats: list[float],  # KernelFloats as a list: a custom op's schema has no named tuple
     compute_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
     loss, z_rows, lse = launch_forward(
-        logits,
-        targets,
-        coef,
-        None,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-        stats=stats if compute_stats else None,
+        logits, targets, coef, None, floats, stats=stats if compute_stats else None
     )
     return loss, z_rows, lse, stats
 
 
 @cross_entropy_forward_op.register_fake
-def _(logits, targets, coef, label_smoothing, z_loss_scale, softcap, compute_stats):
+def _(logits, targets, coef, floats, compute_stats):
     rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
     return rows, torch.empty_like(rows), torch.empty_like(rows), stats
@@ -595,41 +512,30 @@ def cross_entropy_backward_op(
     coef: torch.Tensor,
     lse: torch.Tensor,
     grad_rows: torch.Tensor,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
+    floats: list[float],
 ) -> torch.Tensor:
-    return launch_backward(
-        logits,
-        torch.empty_like(logits),
-        targets,
-        coef,
-        lse,
-        grad_rows.float(),
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-    )
+    grad = torch.empty_like(logits)
+    return launch_backward(logits, grad, targets, coef, lse, grad_rows.float(), floats)
 
 
 @cross_entropy_backward_op.register_fake
-def _(logits, targets, coef, lse, grad_rows, label_smoothing, z_loss_scale, softcap):
+def _(logits, targets, coef, lse, grad_rows, floats):
     return torch.empty_like(logits)
 
 
 def _setup_context(ctx, inputs, output):
-    logits, targets, coef, label_smoothing, z_loss_scale, softcap, _ = inputs
+    logits, targets, coef, floats, _ = inputs
     ctx.save_for_backward(logits, targets, coef, output[2])
-    ctx.hyper = (label_smoothing, z_loss_scale, softcap)
+    ctx.floats = floats
     ctx.mark_non_differentiable(output[3])
 
 
 def _backward(ctx, grad_loss_rows, grad_z_rows, grad_lse, grad_stats):
     check_first_order("packed_ce.cross_entropy with backend='triton'", "backend='torch'")
     logits, targets, coef, lse = ctx.saved_tensors
-    grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, *ctx.hyper)
-    # One gradient per forward input: logits, then targets, coef, the three options, stats.
-    return grad, None, None, None, None, None, None
+    grad = cross_entropy_backward_op(logits, targets, coef, lse, grad_loss_rows, ctx.floats)
+    # One gradient per forward input: logits, then none for targets, coef, floats, compute_stats.
+    return grad, None, None, None, None
 
 
 cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -639,10 +545,8 @@ def triton_cross_entropy(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
+    floats,
     *,
-    label_smoothing: float,
-    z_loss_scale: float,
-    softcap: float,
     reduce: bool,
     inplace_backward: bool,
     stats: torch.Tensor | None = None,
@@ -652,12 +556,13 @@ def triton_cross_entropy(
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
+        floats: a :class:`packed_ce.options.KernelFloats`.
         stats: ``(N, 3)`` fp32 buffer filled with each row's entropy and top-1 hit (see
             :func:`launch_forward`) and its loss ``coef_t * l_t``, or None.
     """
     if torch.compiler.is_compiling():
         loss, z_rows, _, row_stats = cross_entropy_forward_op(
-            logits, targets, coef, label_smoothing, z_loss_scale, softcap, stats is not None
+            logits, targets, coef, list(floats), stats is not None
         )
         if stats is not None:
             stats[:, :2] = row_stats
@@ -666,13 +571,5 @@ def triton_cross_entropy(
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits,
-        targets,
-        coef,
-        label_smoothing,
-        z_loss_scale,
-        softcap,
-        reduce,
-        inplace_backward,
-        stats,
+        logits, targets, coef, floats, reduce, inplace_backward, stats
     )
