@@ -23,6 +23,7 @@ Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
