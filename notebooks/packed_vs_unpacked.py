@@ -23,7 +23,8 @@
 # $$\mathcal{L} = \frac{1}{S}\sum_{s=1}^{S} \frac{1}{n_s} \sum_{t \in s} \ell_t$$
 #
 # 5. **a check**: batch by batch, packed = padded = one conversation at a time;
-# 6. **a short training run** three ways from the same weights, and plots.
+# 6. **a short training run** three ways from the same weights, and plots;
+# 7. **a loss per data source**, from the loss's own pass.
 #
 # Everything runs offline on a CPU in under a minute: the corpus (English dialogues of the
 # `chatterbot-corpus` package) and a small ChatML tokenizer ship with `collators`, and the model
@@ -331,3 +332,54 @@ display(plot_losses({name: asdict(run) for name, run in runs.items()}, TOLERANCE
 #
 # With gradient accumulation or several processes, `PackedTrainer` (or `count_num_items` in a
 # custom loop) divides by the number of conversations of the whole optimiser step.
+
+# %% [markdown]
+# ## 7. A loss per data source
+#
+# Mixing data sources, one wants a loss curve per source. The loss kernel already computes every
+# target's loss; with `return_seq_losses=True` it also returns each sequence's share of the loss
+# and of the weight from that same pass (`packed_ce.SequenceLosses`), and a sum per source is all
+# that is left: no second pass over the logits. `pack_dataset` carries a `source` column to every
+# piece of a row (`seq_sources`), and `PackedCollator` hands it on. `PackedTrainer` and
+# `PackedSFTTrainer` log `loss/<source>` this way, summed over their logging window.
+
+# %%
+assert tokenized.num_rows == dataset.num_rows  # every conversation has an assistant turn
+sourced = collators.pack_dataset(tokenized.add_column("source", dataset["category"]), MAX_LENGTH)
+sourced = sourced.shuffle(seed=0)
+SOURCES = ["tech support", "trivia", "coding"]  # the corpus's three largest categories
+ROWS, WINDOW = 8, 2  # rows per step, steps per point (a source is not in every batch)
+
+model = build_model(config, seed=0)
+optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+collate = collators.PackedCollator()
+sums = torch.zeros(len(SOURCES), 2)  # per source: sum of sequence losses, sum of weights
+curves = {name: [] for name in SOURCES}
+for step in range(2 * STEPS):
+    batch = collate([sourced[i] for i in range(step * ROWS, (step + 1) * ROWS)])
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    loss, shares = packed_ce.cross_entropy(
+        logits, batch["labels"], cu_seqlens=batch["cu_seqlens"], is_packed=True, shift=True,
+        return_seq_losses=True,
+    )
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    for k, name in enumerate(SOURCES):
+        mine = torch.tensor([source == name for source in batch["seq_sources"]])
+        sums[k] += torch.stack([shares.loss[mine].sum(), shares.weight[mine].sum()])
+    if (step + 1) % WINDOW == 0:
+        for k, name in enumerate(SOURCES):
+            curves[name].append(float(sums[k, 0] / sums[k, 1]) if sums[k, 1] > 0 else math.nan)
+        sums.zero_()
+print({name: [round(v, 2) for v in values[-2:]] for name, values in curves.items()})
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 3))
+for name, values in curves.items():
+    ax.plot([(i + 1) * WINDOW for i in range(len(values))], values, marker="o", label=f"loss/{name}")
+ax.set_xlabel("step")
+ax.set_ylabel("mean over the source's conversations")
+ax.set_title("per-source loss, from the loss kernel's per-sequence sums")
+ax.legend()
+plt.show()

@@ -66,6 +66,36 @@ def test_packed_pad_to_multiple_of():
     assert PackedCollator(pad_to_multiple_of=9)(EXAMPLES)["cu_seqlens"].tolist() == [0, 3, 7, 9]
 
 
+def test_sources_follow_their_sequences():
+    """`source` per conversation and `seq_sources` per piece of a packed row land on their
+    sequences of `cu_seqlens`; padding and empty sequences have none."""
+    sourced = [{**e, "source": s} for e, s in zip(EXAMPLES, ["chat", "code", "chat"])]
+    batch = PackedCollator(pad_to_multiple_of=4)(sourced)
+    assert batch["cu_seqlens"].tolist() == [0, 3, 7, 9, 12]
+    assert batch["seq_sources"] == ["chat", "code", "chat", None]
+    assert "seq_sources" not in PackedCollator()(EXAMPLES)
+    rows = [
+        {"input_ids": [5, 6, 7, 12, 13], "labels": [IGNORE, 6, 7, IGNORE, IGNORE], "seq_lengths": [3, 0, 2],
+         "seq_sources": ["a", "b", "c"]},
+        {"input_ids": [8, 9], "labels": [8, 9]},  # no source: None
+    ]
+    assert PackedCollator()(rows)["seq_sources"] == ["a", "c", None]
+    assert PaddedCollator()(sourced)["seq_sources"] == ["chat", "code", "chat"]
+    with pytest.raises(ValueError, match=r"examples\[0\].*seq_sources"):
+        PackedCollator()([{**rows[0], "seq_sources": ["a"]}])
+    with pytest.raises(ValueError, match="packed row"):
+        PackedCollator()([{**rows[0], "seq_sources": None, "source": "a"}])
+    with pytest.raises(TypeError, match="strings"):
+        PackedCollator()([{**EXAMPLES[0], "source": 3}])
+    # pack_dataset carries the column to every piece of a split conversation
+    data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5, 6, 7], [8, 9]], "labels": [[1, 2, 3, 4, 5, 6, 7], [8, 9]],
+                              "source": ["long", "short"]})
+    packed = pack_dataset(data, max_length=4, overflow="split")
+    assert packed["seq_sources"] == [["long"], ["long"], ["short"]]
+    with pytest.raises(ValueError, match="'source'"):
+        pack_dataset(Dataset.from_dict({**data.to_dict(), "source": [1, 2]}), max_length=4)
+
+
 def test_packed_options_and_inputs():
     plain = PackedCollator(return_varlen_kwargs=False)(EXAMPLES)
     assert set(plain) == {

@@ -24,7 +24,7 @@ def test_notebook_matches_its_script():
     code = [cell for cell in committed.cells if cell.cell_type == "code"]
     assert all(cell.execution_count is not None for cell in code), "commit the notebook executed"
     images = sum("image/png" in out.get("data", {}) for cell in code for out in cell.outputs)
-    assert images == 3  # the packing layout, the per-token weights, the training run
+    assert images == 4  # the packing layout, the per-token weights, the training run, per source
 
 
 def _outputs(notebook):

@@ -342,3 +342,64 @@ def test_assistant_masks_equal_trl_where_the_template_has_markers(tmp_path):
         expected = collators.tokenize_conversation(sft_tokenizer(), messages)
         assert row["input_ids"] == expected["input_ids"]
         assert row["labels"] == expected["labels"]
+
+
+# --- the same set-ups through PackedTrainer (collators' packing and PackedCollator) -------------
+
+
+def packed_trainer(model, rows, tmp_path, **fields):
+    from packed_ce.integrations import PackedTrainer
+
+    return PackedTrainer(model=model, args=sft_args(tmp_path, **fields), train_dataset=rows,
+                         data_collator=collators.PackedCollator(), optimizers=sgd(model))
+
+
+def test_packed_trainer_weights_sources_and_split_rows(tmp_path):
+    conversations, weights, sources, dataset = weighted_data()
+    rows = collators.pack_dataset(dataset, max_length=24, overflow="split")
+    assert {"seq_targets", "seq_weights", "seq_sources"} <= set(rows.column_names)
+    model = tiny_causal_lm(VOCAB, num_hidden_layers=0)
+    reference = copy.deepcopy(model)
+    trainer = packed_trainer(apply_packed_loss(model), rows, tmp_path, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=-(-rows.num_rows // 4))
+    initial = snapshot(model)
+    trainer.train()
+    loss, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
+    assert_same_step(model, params, initial)
+    logs = trainer.state.log_history[0]
+    assert relative_error(torch.tensor(logs["loss"]), loss) <= 1e-5
+    with torch.no_grad():
+        for source in sorted(set(sources)):
+            picked = [i for i, s in enumerate(sources) if s == source]
+            expected = weighted_reference(tiny_causal_lm(VOCAB, num_hidden_layers=0),
+                                          [conversations[i] for i in picked], [weights[i] for i in picked])
+            assert relative_error(torch.tensor(logs[f"loss/{source}"]), expected) <= 1e-5, source
+
+
+def test_packed_trainer_lora_and_moe(tmp_path):
+    peft = pytest.importorskip("peft")
+    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=11)
+    rows = [{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations]
+    # LoRA: the adapter's parameters take the per-conversation step
+    model = apply_packed_loss(peft.get_peft_model(tiny_causal_lm(VOCAB), lora_config()))
+    reference = peft.get_peft_model(tiny_causal_lm(VOCAB), lora_config())
+    reference.load_state_dict(model.state_dict())
+    initial = snapshot(model)
+    packed_trainer(model, rows, tmp_path / "lora", per_device_train_batch_size=len(rows)).train()
+    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations))
+    assert_same_step(model, params, initial)
+    # MoE: the model's own router loss, once per micro-batch
+    arch = "mixtral"
+    model = apply_packed_loss(tiny_causal_lm(VOCAB, model_type=arch, output_router_logits=True, **MOE[arch]))
+    reference = tiny_causal_lm(VOCAB, model_type=arch, **MOE[arch])
+    batch = collators.PackedCollator()(rows)
+
+    def aux(m):
+        out = m(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                output_router_logits=True, use_cache=False)
+        return 0.1 * out.aux_loss
+
+    initial = snapshot(model)
+    packed_trainer(model, rows, tmp_path / "moe", per_device_train_batch_size=len(rows)).train()
+    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations, extra=aux))
+    assert_same_step(model, params, initial)
