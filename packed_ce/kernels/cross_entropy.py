@@ -68,6 +68,15 @@ def _softcap_and_slope(raw, softcap):
 
 
 @triton.jit
+def _apply_softcap(raw, softcap):
+    # The capped value alone. Unpacking ``x, _ = _softcap_and_slope(...)`` in the kernel would
+    # bind ``_`` to a scalar before the block loop that rebinds it to a block: Triton 3.6 then
+    # refuses to compile ("Loop-carried variable _ has initial type fp32 but is re-assigned").
+    x, _ = _softcap_and_slope(raw, softcap)
+    return x
+
+
+@triton.jit
 def _load_block(
     logits_row, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr
 ):
@@ -169,7 +178,7 @@ def _cross_entropy_kernel(
                 x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
                 x_target = tl.load(logits_row + target).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x_target, _ = _softcap_and_slope(x_target, softcap)
+                    x_target = _apply_softcap(x_target, softcap)
                 m = tl.max(x_row, 0)
                 e = tl.exp(x_row - m)
                 s = tl.sum(e, 0)
@@ -183,7 +192,7 @@ def _cross_entropy_kernel(
                 # any warp starts pass 2, whose in-place gradient may overwrite this logit.
                 x_target = tl.load(logits_row + target).to(tl.float32)
                 if HAS_SOFTCAP:
-                    x_target, _ = _softcap_and_slope(x_target, softcap)
+                    x_target = _apply_softcap(x_target, softcap)
                 # Pass 1, read N*V: online logsumexp, one exp per element and one max per block.
                 m = tl.full((), float("-inf"), tl.float32)
                 s = tl.zeros((), tl.float32)
