@@ -206,6 +206,24 @@ def weighted_data(seed=9):
     return conversations, weights, sources, Dataset.from_list(rows)
 
 
+def check_weighted_step(trainer, model, reference):
+    """One step of ``trainer`` on :func:`weighted_data`: the parameters, the logged ``loss`` and
+    every ``loss/<source>`` against each conversation alone (weighted)."""
+    conversations, weights, sources, _ = weighted_data()
+    initial = snapshot(model)
+    trainer.train()
+    loss, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
+    assert_same_step(model, params, initial)
+    logs = trainer.state.log_history[0]
+    assert relative_error(torch.tensor(logs["loss"]), loss) <= 1e-5
+    with torch.no_grad():
+        for source in sorted(set(sources)):
+            picked = [i for i, s in enumerate(sources) if s == source]
+            expected = weighted_reference(tiny_causal_lm(VOCAB, num_hidden_layers=0),
+                                          [conversations[i] for i in picked], [weights[i] for i in picked])
+            assert relative_error(torch.tensor(logs[f"loss/{source}"]), expected) <= 1e-5, source
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -224,21 +242,7 @@ def test_weights_sources_and_split_packing(layout, tmp_path):
     if layout.get("packing_strategy") == "bfd_split":
         pieces = [n for row in trainer.train_dataset["seq_lengths"] for n in row]
         assert len(pieces) > len(conversations) and max(pieces) <= 24  # conversations were split
-    initial = snapshot(model)
-    trainer.train()
-    loss, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
-    assert_same_step(model, params, initial)
-
-    logs = trainer.state.log_history[0]
-    assert relative_error(torch.tensor(logs["loss"]), loss) <= 1e-5
-    with torch.no_grad():
-        for source in sorted(set(sources)):
-            picked = [i for i, s in enumerate(sources) if s == source]
-            expected = weighted_reference(
-                tiny_causal_lm(VOCAB, num_hidden_layers=0),
-                [conversations[i] for i in picked], [weights[i] for i in picked],
-            )
-            assert relative_error(torch.tensor(logs[f"loss/{source}"]), expected) <= 1e-5, source
+    check_weighted_step(trainer, model, reference)
 
 
 def test_stock_trl_differs_on_weighted_data(tmp_path):
@@ -362,18 +366,7 @@ def test_packed_trainer_weights_sources_and_split_rows(tmp_path):
     reference = copy.deepcopy(model)
     trainer = packed_trainer(apply_packed_loss(model), rows, tmp_path, per_device_train_batch_size=4,
                              gradient_accumulation_steps=-(-rows.num_rows // 4))
-    initial = snapshot(model)
-    trainer.train()
-    loss, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
-    assert_same_step(model, params, initial)
-    logs = trainer.state.log_history[0]
-    assert relative_error(torch.tensor(logs["loss"]), loss) <= 1e-5
-    with torch.no_grad():
-        for source in sorted(set(sources)):
-            picked = [i for i, s in enumerate(sources) if s == source]
-            expected = weighted_reference(tiny_causal_lm(VOCAB, num_hidden_layers=0),
-                                          [conversations[i] for i in picked], [weights[i] for i in picked])
-            assert relative_error(torch.tensor(logs[f"loss/{source}"]), expected) <= 1e-5, source
+    check_weighted_step(trainer, model, reference)
 
 
 def test_packed_trainer_lora_and_moe(tmp_path):
