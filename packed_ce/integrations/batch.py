@@ -31,7 +31,7 @@ def sequence_boundaries(
     Returns:
         ``{"cu_seqlens": ...}`` or ``{"position_ids": ...}``, keywords for
         :func:`packed_ce.cross_entropy`. Taken from ``cu_seqlens``, else ``cu_seq_lens_q``, else
-        ``position_ids`` (or what the forward pre-hook of :func:`apply_packed_loss` passed on),
+        ``position_ids`` (or what the forward of :func:`apply_packed_loss` passed on),
         else one sequence per row of ``labels``: ``cu_seqlens = [0, T, 2T, ..., B*T]``. With
         the batch's ``cu_seqlens``, its ``seq_targets`` (with ``is_packed``) and ``seq_weights``
         come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
