@@ -31,7 +31,7 @@ from . import sft_data
 from .fused_forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
-from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
+from .trainer import PackedNormaliserMixin, _datasets, _sources_of, refuse_token_mean_options
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -104,13 +104,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             # the assistant turns are found by collators.tokenize_conversation instead
             if template is not None and not has_generation_markers(template):
                 self._own_assistant_labels = True
-        restore = config is not None and self._own_assistant_labels
-        if restore:
+        if self._own_assistant_labels:  # trl's own check is kept from refusing the template
             config.assistant_only_loss = False
         try:
             super().__init__(*args, **kwargs)
         finally:
-            if restore:
+            if self._own_assistant_labels:
                 config.assistant_only_loss = True
         if packed_loss_of(self.model) is None:
             fused = fusable_reason(base_model(self.model)) is None
@@ -187,13 +186,6 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             tokens = int(self.accelerator.gather_for_metrics(local[None]).sum())
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
-
-
-def _datasets(dataset) -> list:
-    """The data sets of a ``train_dataset`` / ``eval_dataset`` argument (a dict of them too)."""
-    if dataset is None:
-        return []
-    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
 
 
 def _refuse_inexact_options(args, compute_loss_func) -> None:

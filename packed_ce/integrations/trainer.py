@@ -166,7 +166,9 @@ class PackedNormaliserMixin:
         weighted loss sum and weight, which add up over micro-batches and steps.
         """
         index = {name: i for i, name in enumerate(self._sources)}
-        ids = torch.tensor([index.get(s, -1) for s in sources], device=seq_losses.loss.device)
+        # non_blocking: a blocking host-to-device copy would wait for the step's queued kernels
+        ids = torch.tensor([index.get(s, -1) for s in sources])
+        ids = ids.to(seq_losses.loss.device, non_blocking=True)
         scale = 1.0 if num_items_in_batch is None else num_items_in_batch
         rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)] * scale
         rows = torch.where((ids >= 0)[:, None], rows, 0.0).to(torch.float64)
@@ -259,15 +261,21 @@ def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:
         raise ValueError(f"{trainer}: compute_loss_func replaces the packed loss; leave it out")
 
 
+def _datasets(dataset) -> list:
+    """The data sets of a ``train_dataset`` / ``eval_dataset`` argument (a dict of them too)."""
+    if dataset is None:
+        return []
+    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
+
+
 def _sources_of(dataset) -> set[str]:
-    """The source names in a data set's ``source`` / ``seq_sources`` column (a ``datasets.Dataset``
-    or a dict of them); none for other data."""
-    if isinstance(dataset, dict):
-        return set().union(*(_sources_of(d) for d in dataset.values()))
-    columns = getattr(dataset, "column_names", None) or []
+    """The source names in the ``source`` / ``seq_sources`` columns of a ``train_dataset`` or
+    ``eval_dataset`` argument (``datasets.Dataset`` objects; none for other data)."""
     names = set()
-    if "source" in columns:
-        names.update(s for s in dataset["source"] if isinstance(s, str))
-    if SOURCES_KEY in columns:
-        names.update(s for row in dataset[SOURCES_KEY] for s in row if isinstance(s, str))
+    for data in _datasets(dataset):
+        columns = getattr(data, "column_names", None) or []
+        if "source" in columns:
+            names.update(s for s in data["source"] if isinstance(s, str))
+        if SOURCES_KEY in columns:
+            names.update(s for row in data[SOURCES_KEY] for s in row if isinstance(s, str))
     return names
