@@ -632,8 +632,14 @@ def trl_longest_report(result: dict) -> str:
         f"{env['device_name']} ({_versions(env)}). {_model_text(result)}; {result['attention']}, "
         f"gradient checkpointing, trl packing=True (bfd), padding_free=True, one row per step "
         f"padded to the probed length; a length fits when {result['probe_steps']} steps train "
-        "without running out of memory. Lengths double from the first until one fails, then "
-        "bisect. 8b: LoRA (" + ", ".join(f"{k}={v}" for k, v in result["lora"].items()) + ").",
+        "without running out of memory. Lengths double from the first, then go where the "
+        "peak memory of the two longest that fit reaches 95% of the device's, and bisect "
+        "(split at that prediction where it lies inside the bracket)."
+        + (
+            " 8b: LoRA (" + ", ".join(f"{k}={v}" for k, v in result["lora"].items()) + ")."
+            if "8b" in result["models"]
+            else ""
+        ),
         "",
         "| model | run | longest that fits | shortest that fails | vs stock | peak GiB at the "
         "longest | probes (tokens: outcome, s) | stopped |",

@@ -154,6 +154,48 @@ def test_the_search_doubles_then_bisects(benchmarks_path):
     assert probes(10**9, limit=32768) == [8192, 16384, 32768]
 
 
+def test_the_memory_of_fitting_probes_steers_the_search(benchmarks_path):
+    """On a simulated device whose peak memory grows linearly with the row (10 GiB + 300 KiB
+    per token), the search predicts the limit from the first two probes and ends a few probes
+    later; when the device fails earlier than the line says (fragmentation), the bracket
+    still ends at the true limit."""
+    from bench_trl import next_length, predicted_length
+
+    def search(fails_above: int, capacity_gib: float = 80.0) -> list[tuple[int, str]]:
+        probes = []
+        while True:
+            fits = [p["row_length"] for p in probes if p["status"] == "fits"]
+            fails = [p["row_length"] for p in probes if p["status"] == "oom"]
+            predicted = predicted_length(probes, capacity_gib)
+            length = next_length(fits, fails, 8192, 1 << 20, 0.125, predicted)
+            if length is None:
+                return [(p["row_length"], p["status"]) for p in probes]
+            peak = 10 + length * 300 / 2**20
+            if length <= fails_above:
+                probes.append({"row_length": length, "status": "fits", "peak_gib": peak})
+            else:
+                probes.append({"row_length": length, "status": "oom"})
+
+    line = (80 - 10) * 2**20 / 300  # 244,667 tokens: where the line reaches 80 GiB
+    assert predicted_length(
+        [{"row_length": 8192, "status": "fits", "peak_gib": 10 + 8192 * 300 / 2**20},
+         {"row_length": 16384, "status": "fits", "peak_gib": 10 + 16384 * 300 / 2**20}], 80.0,
+    ) == pytest.approx(line)  # fmt: skip
+    # the line is right: 8192, 16384, the prediction rounded down (fits), one gap more (fails)
+    assert search(int(line)) == [
+        (8192, "fits"), (16384, "fits"), (243712, "fits"), (243712 + 29 * 1024, "oom")
+    ]  # fmt: skip
+    # the device fails at 200,000 tokens: more probes, the same kind of bracket
+    found = search(200_000)
+    fits = max(length for length, status in found if status == "fits")
+    fails = min(length for length, status in found if status == "oom")
+    assert fits <= 200_000 < fails and fails - fits <= 0.125 * fits
+    assert len(found) < 9  # plain doubling and halving takes 9 here
+    # no memory figures (the CPU): plain doubling and bisection
+    assert predicted_length([{"row_length": 8192, "status": "fits"}] * 2, 80.0) is None
+    assert predicted_length([{"row_length": 8192, "status": "fits", "peak_gib": 1.0}], None) is None
+
+
 def test_objective_check_tells_the_two_means_apart(benchmarks_path):
     from bench_trl import objective_check
 
