@@ -56,10 +56,11 @@ Two measurements (one shell call each on a GPU):
 
 Each throughput run runs in a subprocess of its own on CUDA: Liger patches transformers' Llama
 module for the whole process, and every run then starts with an empty allocator. The searches
-share one subprocess (Liger's last), so that flex attention compiles once: the probes follow
-one another while the memory comes back after each (checked); where it does not, or the process
-dies, a fresh one goes on. No run, search or probe starts after ``--seconds`` (a search: after
-its share of it); what was left out is said in the results.
+share one subprocess (Liger's last), so that flex attention compiles once, in two short
+warm-up probes before the first search of each model: the probes follow one another while the
+memory comes back after each (checked); where it does not, or the process dies, a fresh one goes
+on. No run, search or probe starts after ``--seconds`` (a search: after its share of the time
+left when it starts); what was left out is said in the results.
 
 On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft installed)::
 
@@ -734,25 +735,36 @@ def search(job: Job, state: dict, limit: int, resolution: float, max_probes: int
 
 def search_all(task: dict, save) -> dict:
     """The searches of ``task["jobs"]`` one after the other in this process, each until its
-    own deadline; ``save(states)`` after each probe's search step, so that a process that dies
-    leaves what it found. Stops early, with ``fresh_process``, when memory did not come back."""
-    states = task["states"]
-    for fields in task["jobs"]:
-        job = Job(**fields)
+    share of the time left (what is left over passes on); ``save(states)`` after each probe's
+    search step, so that a process that dies leaves what it found. Stops early, with
+    ``fresh_process``, when memory did not come back.
+
+    With flex attention, before the first search of each model, two short probes (1024 and 2048
+    tokens, one step) compile flex attention for a fixed and then for any row length; without
+    them the first search would spend its share compiling (98 s of 120 on an H100)."""
+    states, warmups, warmed = task["states"], [], None
+    pending = [Job(**fields) for fields in task["jobs"]]
+    pending = [job for job in pending if not states[search_key(job)].get("stopped")]
+    for index, job in enumerate(pending):
         key = search_key(job)
-        if states[key].get("stopped"):
-            continue
+        if job.attention == "flex_attention" and job.model != warmed:
+            for length in (1024, 2048):
+                outcome = probe(dataclasses.replace(job, row_length=length, steps=1))
+                warmups.append(outcome | {"model": job.model, "run": job.run})
+                log(f"{job.model} {job.run}: warm-up at {length} tokens: {outcome['status']} "
+                    f"({outcome['seconds']:.0f} s)")  # fmt: skip
+            warmed = job.model
+        deadline = time.time() + (task["deadline"] - time.time()) / (len(pending) - index)
         states[key]["in_progress"] = True
-        save(states)
+        save(states, warmups)
         state = search(
-            job, states[key], task["limit"], task["resolution"], task["max_probes"],
-            task["deadlines"][key],
-        )  # fmt: skip
+            job, states[key], task["limit"], task["resolution"], task["max_probes"], deadline
+        )
         state.pop("in_progress", None)
-        save(states)
+        save(states, warmups)
         if state["fresh_process"]:
-            return {"states": states, "fresh_process": True}
-    return {"states": states, "fresh_process": False}
+            return {"states": states, "warmups": warmups, "fresh_process": True}
+    return {"states": states, "warmups": warmups, "fresh_process": False}
 
 
 def search_key(job: Job) -> str:
@@ -786,9 +798,10 @@ def worker(task: dict, result_path: Path | None = None) -> dict:
         if task["kind"] == "throughput":
             return throughput_run(Job(**task["job"]))
 
-        def save(states):
+        def save(states, warmups):
             if result_path is not None:
-                harness.write_json(result_path, {"states": states, "fresh_process": False})
+                answer = {"states": states, "warmups": warmups, "fresh_process": False}
+                harness.write_json(result_path, answer)
 
         return search_all(task, save)
     except Exception as error:  # noqa: BLE001 - reported in the results
@@ -814,24 +827,20 @@ def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str)
 
 
 def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
-    """Every search in one worker process (Liger's last), each until its share of the time:
-    search ``i`` of ``n`` ends by ``start + (i + 1) / n`` of the budget, so unused time passes
-    on. A fresh process goes on where memory did not come back after a probe, or the process
-    died (the search it was in stops there)."""
-    start = time.time()
+    """Every search in one worker process (Liger's last), each until its share of the time
+    left when it starts (:func:`search_all`). A fresh process goes on where memory did not
+    come back after a probe, or the process died (the search it was in stops there)."""
     states = {search_key(job): {"probes": []} for job in jobs}
-    deadlines = {
-        search_key(job): start + (deadline - start) * (index + 1) / len(jobs)
-        for index, job in enumerate(jobs)
-    }
+    warmups = []
     while any(not state.get("stopped") for state in states.values()):
         task = {
             "kind": "searches", "device": args.device, "states": states,
-            "jobs": [dataclasses.asdict(job) for job in jobs], "deadlines": deadlines,
+            "jobs": [dataclasses.asdict(job) for job in jobs], "deadline": deadline,
             "limit": args.max_row, "resolution": args.resolution, "max_probes": args.max_probes,
         }  # fmt: skip
         answer = run_worker(task, args.isolate)
         states = answer.get("states", states)
+        warmups += answer.get("warmups", [])
         problem = answer.get("died") or answer.get("error")
         if problem is not None:
             # the search the process was in stops; the others go on in a fresh one
@@ -858,7 +867,7 @@ def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) ->
         harness.write_json(out / f"trl_longest_{key}_{slug}.json", searches[key])
         log(f"{key}: longest that fits {searches[key]['longest_fits']}, shortest that fails "
             f"{searches[key]['shortest_fails']} ({state.get('stopped')})")  # fmt: skip
-    return {"searches": searches}
+    return {"searches": searches, "warmups": warmups}
 
 
 # --------------------------------------------------------------------------------------------

@@ -669,6 +669,12 @@ def trl_longest_report(result: dict) -> str:
         for p in found["probes"]
         if p["status"] == "error"
     ]
+    warmups = ", ".join(
+        f"{w['model']} {w['row_length']}: {w['status']} {w['seconds']:.0f} s"
+        for w in result.get("warmups", [])
+    )
+    if warmups:
+        lines += ["", f"Warm-up probes (flex attention compiles; not part of a search): {warmups}."]
     return "\n".join(lines + ([""] + errors if errors else []))
 
 

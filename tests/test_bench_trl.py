@@ -261,3 +261,38 @@ def test_without_cuda_the_gpu_run_refuses_in_one_line():
     )  # fmt: skip
     assert done.returncode == 1
     assert done.stderr.strip().count("\n") == 0 and "no CUDA device" in done.stderr, done.stderr
+
+
+def test_flex_attention_compiles_in_two_warm_up_probes_before_the_searches(
+    benchmarks_path, monkeypatch, tmp_path
+):
+    """The warm-up probes (one step of 1024, then 2048 tokens) run once per model, before its
+    first search, and are reported apart from the searches' probes."""
+    import dataclasses
+
+    import bench_trl
+
+    made = []
+
+    def probe(job):
+        made.append((job.model, job.run, job.row_length, job.steps))
+        fits = job.row_length <= 20_000
+        return {"row_length": job.row_length, "status": "fits" if fits else "oom", "seconds": 1.0}
+
+    monkeypatch.setattr(bench_trl, "probe", probe)
+    args = bench_trl.parse_args(
+        ["--longest", "--model", "tiny", "--device", "cpu", "--runs", "stock", "packed",
+         "--row-length", "8192", "--no-isolate", "--out", str(tmp_path)]
+    )  # fmt: skip
+    jobs = [
+        dataclasses.replace(job, attention="flex_attention") for job in bench_trl.make_jobs(args)
+    ]
+    body = bench_trl.run_longest(args, jobs, time.time() + 60, tmp_path, "cpu")
+    assert made[:2] == [("tiny", "packed", 1024, 1), ("tiny", "packed", 2048, 1)]
+    assert all(length >= 8192 and steps == 2 for _, _, length, steps in made[2:])
+    assert [(w["row_length"], w["run"]) for w in body["warmups"]] == [
+        (1024, "packed"), (2048, "packed")
+    ]  # fmt: skip
+    for found in body["searches"].values():
+        assert 1024 not in [p["row_length"] for p in found["probes"]]
+        assert (found["longest_fits"], found["shortest_fails"]) == (18432, 20480)
