@@ -612,7 +612,9 @@ def next_length(
         length = 2 * longest
         if predicted is not None and predicted > longest:
             length = max(int(predicted) // 1024 * 1024, longest + step)
-        return length if length <= limit else None
+        if longest >= limit:
+            return None
+        return min(length, limit)  # the limit itself is probed last
     if shortest_fail - longest <= gap:
         return None
     middle = (longest + shortest_fail) // 2 // 1024 * 1024
@@ -989,6 +991,7 @@ def main(argv=None) -> int:
     }
     if args.longest:
         result["probe_steps"] = args.probe_steps
+        result["resolution"] = args.resolution
         result["lora"] = LORA
     else:
         result["warmup_steps"] = args.warmup

@@ -678,14 +678,64 @@ def trl_longest_report(result: dict) -> str:
     return "\n".join(lines + ([""] + errors if errors else []))
 
 
+def search_resolution(result: dict) -> float:
+    """The ``--resolution`` of a longest-row result (stored since it became a field; before
+    that, read from its command line, where 0.125 was the default)."""
+    if "resolution" in result:
+        return result["resolution"]
+    words = result["command"].split()
+    return float(words[words.index("--resolution") + 1]) if "--resolution" in words else 0.125
+
+
+def trl_longest_summary(results: list[dict]) -> str:
+    """One device's longest-row searches, from every stored result of it, in one table; each
+    run is set against stock trl of the same result (same process, same Liger setting)."""
+    env = results[0]["environment"]
+    lines = [
+        f"{env['device_name']} ({_versions(env)}). Flex attention, gradient checkpointing, trl "
+        "packing (bfd) + padding_free, one row per step padded to the probed length; a length "
+        f"fits when {results[0]['probe_steps']} steps train without running out of memory. 1b: "
+        "Llama-3.2-1B shape fully fine-tuned; 8b: Llama-3-8B shape with LoRA (r=16, all linear "
+        "layers). Each line of the table is one search; searches of one result ran one after "
+        "the other in one process; the first probe and the resolution (the largest gap left "
+        "between fits and fails, as a share of the longest that fits) are the search's.",
+        "",
+        "| model | run | longest that fits | shortest that fails | vs stock | peak GiB | first "
+        "probe | resolution | probes | stopped |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        searches = result["searches"]
+        for key, found in searches.items():
+            liger = "_liger" if found["run"].endswith("_liger") else ""
+            peer = searches.get(f"{found['model']}_stock{liger}", {})
+            ratio = "-"
+            if found["longest_fits"] and peer.get("longest_fits"):
+                ratio = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
+            fitting = [p for p in found["probes"] if p["row_length"] == found["longest_fits"]]
+            peak = f"{fitting[0]['peak_gib']:.1f}" if fitting and "peak_gib" in fitting[0] else "-"
+            first = found["probes"][0]["row_length"] if found["probes"] else "-"
+            lines.append(
+                f"| {found['model']}{' LoRA' if found['lora'] else ''} "
+                f"| {RUN_LABELS.get(found['run'], found['run'])} "
+                f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {ratio} "
+                f"| {peak} | {first} | {search_resolution(result):g} | {len(found['probes'])} "
+                f"| {found.get('stopped', '-')} |"
+            )
+    return "\n".join(lines)
+
+
 def load_trl_results(results_dir: Path, benchmark: str) -> list[dict]:
-    """The newest full ``bench_trl.py`` result per device, models and attention."""
+    """The newest full ``bench_trl.py`` result per device, models, attention and set of runs
+    (or searches)."""
     newest: dict[tuple, dict] = {}
     for path in sorted(Path(results_dir).glob("trl_*.json")):
         result = json.loads(path.read_text())
         if result.get("benchmark") != benchmark or result.get("mode") != "full":
             continue  # a run's own file, or tiny numbers that mean nothing
-        key = (result["environment"]["device_name"], tuple(result["models"]), result["attention"])
+        runs = tuple(sorted(result.get("runs") or result.get("searches") or ()))
+        device = result["environment"]["device_name"]
+        key = (device, tuple(result["models"]), result["attention"], runs)
         if key not in newest or result["created"] > newest[key]["created"]:
             newest[key] = result
     return [newest[key] for key in sorted(newest)]
@@ -718,9 +768,13 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
     for result in load_trl_results(results_dir, "trl_steps"):
         parts.append(f"### Whole trl steps, {result['environment']['device_name']}")
         parts.append(trl_steps_report(result))
+    longest: dict[str, list[dict]] = {}
     for result in load_trl_results(results_dir, "trl_longest"):
-        parts.append(f"### The longest row that trains, {result['environment']['device_name']}")
-        parts.append(trl_longest_report(result))
+        longest.setdefault(result["environment"]["device_name"], []).append(result)
+    for device, results in longest.items():
+        results.sort(key=lambda result: (list(result["models"]), result["created"]))
+        parts.append(f"### The longest row that trains, {device}")
+        parts.append(trl_longest_summary(results))
     for result in load_results(results_dir, "cross_entropy", modes=("defaults",)):
         parts.append(f"### The default path, {result['environment']['device_name']}")
         parts.append(defaults_report(result))

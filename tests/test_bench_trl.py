@@ -152,6 +152,8 @@ def test_the_search_doubles_then_bisects(benchmarks_path):
     assert probes(500) == [8192, 4096, 2048, 1024]
     # nothing fails up to the limit
     assert probes(10**9, limit=32768) == [8192, 16384, 32768]
+    # doubling past the limit probes the limit itself, last
+    assert probes(10**9, limit=40960) == [8192, 16384, 32768, 40960]
 
 
 def test_the_memory_of_fitting_probes_steers_the_search(benchmarks_path):
