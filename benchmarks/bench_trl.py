@@ -609,11 +609,11 @@ def next_length(
     gap = max(1024, resolution * longest)
     step = max(1024, int(gap) // 1024 * 1024)  # a probe this far from the bracket's end ends it
     if shortest_fail is None:
+        if longest >= limit:
+            return None
         length = 2 * longest
         if predicted is not None and predicted > longest:
             length = max(int(predicted) // 1024 * 1024, longest + step)
-        if longest >= limit:
-            return None
         return min(length, limit)  # the limit itself is probed last
     if shortest_fail - longest <= gap:
         return None

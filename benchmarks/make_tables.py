@@ -625,6 +625,19 @@ RUN_LABELS = {
 }
 
 
+def _against_stock(found: dict, searches: dict) -> tuple[str, str]:
+    """A search's longest row as a multiple of stock trl's in the same result (same Liger
+    setting), and its peak GiB at that row, as table cells."""
+    liger = "_liger" if found["run"].endswith("_liger") else ""
+    peer = searches.get(f"{found['model']}_stock{liger}", {})
+    ratio = "-"
+    if found["longest_fits"] and peer.get("longest_fits"):
+        ratio = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
+    fitting = [p for p in found["probes"] if p["row_length"] == found["longest_fits"]]
+    peak = f"{fitting[0]['peak_gib']:.1f}" if fitting and "peak_gib" in fitting[0] else "-"
+    return ratio, peak
+
+
 def trl_longest_report(result: dict) -> str:
     """The longest packed row each run trains, from one ``bench_trl.py --longest`` result."""
     env = result["environment"]
@@ -646,21 +659,14 @@ def trl_longest_report(result: dict) -> str:
         "|---|---|---:|---:|---:|---:|---|---|",
     ]
     searches = result["searches"]
-    for key, found in searches.items():
-        peer = searches.get(
-            f"{found['model']}_stock{'_liger' if key.endswith('_liger') else ''}", {}
-        )
-        speed = "-"
-        if found["longest_fits"] and peer.get("longest_fits"):
-            speed = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
-        fitting = [p for p in found["probes"] if p["row_length"] == found["longest_fits"]]
-        peak = f"{fitting[0]['peak_gib']:.1f}" if fitting and "peak_gib" in fitting[0] else "-"
+    for found in searches.values():
         probes = ", ".join(
             f"{p['row_length']}: {p['status']} {p['seconds']:.0f}" for p in found["probes"]
         )
+        ratio, peak = _against_stock(found, searches)
         lines.append(
             f"| {found['model']}{' LoRA' if found['lora'] else ''} | {found['label']} "
-            f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {speed} "
+            f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {ratio} "
             f"| {peak} | {probes or '-'} | {found.get('stopped', '-')} |"
         )
     errors = [
@@ -706,14 +712,8 @@ def trl_longest_summary(results: list[dict]) -> str:
     ]
     for result in results:
         searches = result["searches"]
-        for key, found in searches.items():
-            liger = "_liger" if found["run"].endswith("_liger") else ""
-            peer = searches.get(f"{found['model']}_stock{liger}", {})
-            ratio = "-"
-            if found["longest_fits"] and peer.get("longest_fits"):
-                ratio = f"{found['longest_fits'] / peer['longest_fits']:.2f}x"
-            fitting = [p for p in found["probes"] if p["row_length"] == found["longest_fits"]]
-            peak = f"{fitting[0]['peak_gib']:.1f}" if fitting and "peak_gib" in fitting[0] else "-"
+        for found in searches.values():
+            ratio, peak = _against_stock(found, searches)
             first = found["probes"][0]["row_length"] if found["probes"] else "-"
             lines.append(
                 f"| {found['model']}{' LoRA' if found['lora'] else ''} "
