@@ -365,9 +365,12 @@ for step in range(2 * STEPS):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
+    # the shares are divided by this batch's D (its conversations with a target): times D they
+    # are each conversation's mean loss and weight 1, which add up over the window's batches
+    scale = batch["num_sequences"]
     for k, name in enumerate(SOURCES):
         mine = torch.tensor([source == name for source in batch["seq_sources"]])
-        sums[k] += torch.stack([shares.loss[mine].sum(), shares.weight[mine].sum()])
+        sums[k] += torch.stack([shares.loss[mine].sum(), shares.weight[mine].sum()]) * scale
     if (step + 1) % WINDOW == 0:
         for k, name in enumerate(SOURCES):
             curves[name].append(float(sums[k, 0] / sums[k, 1]) if sums[k, 1] > 0 else math.nan)
