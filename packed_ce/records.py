@@ -110,18 +110,21 @@ def encode_per_sequence(
     """The per-sequence fields (from :data:`PER_SEQUENCE` on): ``(WIDTH - PER_SEQUENCE,)``
     int64 on the labels' device, no host sync; zeros (and -1 positions) where absent."""
     device = labels.device
-    empty = torch.zeros(0, dtype=torch.bool, device=device)
-    targets = seq_targets if seq_targets is not None else empty.long()
-    own = targets
-    if seq_targets is not None:
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    none_found = [zero, zero - 1, zero]  # _first of an empty mask, without its kernels
+    if seq_targets is None:
+        fields = none_found * 2 + [zero]
+    else:
         own = own_targets(labels, cu_seqlens, shift=shift, ignore_index=ignore_index)
-    below_own = targets < own
-    fields = _first(targets < 1, targets)
-    fields += _first(below_own, targets)
-    fields.append(_read(own, fields[-2]))
-    weights = seq_weights.detach().to(torch.float64) if seq_weights is not None else empty.double()
-    bad_weight = ~(weights.isfinite() & (weights >= 0))
-    fields += _first(bad_weight, weights.view(torch.int64))
+        fields = _first(seq_targets < 1, seq_targets)
+        fields += _first(seq_targets < own, seq_targets)
+        fields.append(_read(own, fields[-2]))
+    if seq_weights is None:
+        fields += none_found
+    else:
+        weights = seq_weights.detach().to(torch.float64)
+        bad_weight = ~(weights.isfinite() & (weights >= 0))
+        fields += _first(bad_weight, weights.view(torch.int64))
     return torch.stack(fields).to(device=device, dtype=torch.int64)
 
 
