@@ -107,7 +107,7 @@ class _ChunkLoss:
     forward(z, targets, coef, write_grad, stats) -> (loss, z_term, lse), each ``(C,)``; with
         ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1; a
         ``(C, 3)`` fp32 ``stats`` (or None) receives each row's entropy and top-1 hit in its first
-        two columns.
+        two columns (the torch backend: only with ``return_token_stats``, the one reader).
     backward(z, targets, coef, lse, grad_rows): overwrites ``z`` with ``dL/dZ`` for the per-row
         upstream gradients ``grad_rows`` ``(C,)``.
     scale(grad, g): ``grad *= g`` in place for a 2-D ``grad`` and a 0-d device ``g``.
@@ -146,7 +146,8 @@ def _torch_chunk_loss(options: LossOptions) -> _ChunkLoss:
         return loss.detach(), z_term.detach()
 
     def forward(z, targets, coef, write_grad, stats):
-        if stats is not None:  # before rows() may overwrite z with its gradient
+        # before rows() may overwrite z with its gradient; a pass over the chunk: only when asked
+        if options.return_token_stats:
             stats[:, :2] = token_stats_rows(z, targets, options)
         ones = torch.ones_like(coef) if write_grad else None
         # no lse: the backward below recomputes everything from the logits

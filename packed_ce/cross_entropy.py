@@ -91,7 +91,7 @@ def _cross_entropy(
 
     def run(prepared, stats):
         if backend == "torch":
-            if stats is not None:
+            if options.return_token_stats:  # its own pass over (N, V): only when asked for
                 flat = logits.reshape(-1, logits.shape[-1])
                 stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
             return loss_from_targets(logits, prepared, options, stats)
