@@ -46,21 +46,29 @@ def _example(example, index: int, ignore_index: int):
         targets = token_array(targets, f"{name}['seq_targets']")
         if len(targets) != len(lengths) or (targets < 0).any():
             raise ValueError(f"`{name}['seq_targets']` must hold one count >= 0 per sequence of `seq_lengths`.")
+    return input_ids, labels, lengths, targets, sequence_weights(example, index, len(lengths))
+
+
+def sequence_weights(example, index: int, count: int) -> np.ndarray | None:
+    """The `count` sequences' weights of one example (`examples[index]`), checked: `seq_weights` (per
+    sequence, as `pack_dataset` writes them) or a conversation's `weight`; None where it carries neither."""
+    name = f"examples[{index}]"
     weights = example.get("seq_weights")
     if weights is not None:
         weights = weight_array(weights, f"{name}['seq_weights']")
-        if len(weights) != len(lengths):
+        if len(weights) != count:
             raise ValueError(f"`{name}['seq_weights']` must hold one weight per sequence of `seq_lengths`.")
     elif example.get(WEIGHT_COLUMN) is not None:
-        if len(lengths) != 1:
+        if count != 1:
             raise ValueError(f"`{name}` is a packed row: give its weights per sequence in 'seq_weights'.")
         weights = np.array([conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]")])
-    return input_ids, labels, lengths, targets, weights
+    return weights
 
 
-def _sources(example, index: int, count: int) -> list:
-    """The `count` sequences' sources of one example: `seq_sources` (per sequence, as `pack_dataset` writes
-    them) or a conversation's `source`; None for each where the example names none."""
+def sequence_sources(example, index: int, count: int) -> list:
+    """The `count` sequences' sources of one example (`examples[index]`), checked: `seq_sources` (per
+    sequence, as `pack_dataset` writes them) or a conversation's `source`; None for each where the
+    example names none."""
     name = f"examples[{index}]"
     sources = example.get("seq_sources")
     if sources is None:
@@ -235,7 +243,7 @@ class PackedCollator(_Collator):
         )
         seq_weights = np.concatenate([part[4] for part in parts]) if all(weighted) else None
         seq_sources = [s for index, (example, part) in enumerate(zip(examples, parts))
-                       for s in _sources(example, index, len(part[2]))]
+                       for s in sequence_sources(example, index, len(part[2]))]
         # Empty sequences have no token to carry a position or a boundary.
         nonempty = lengths > 0
         lengths, seq_targets = lengths[nonempty], seq_targets[nonempty]
@@ -364,7 +372,7 @@ class PaddedCollator(_Collator):
         }
         if all(weighted):
             batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]).astype(np.float32))
-        seq_sources = [s for index, example in enumerate(examples) for s in _sources(example, index, 1)]
+        seq_sources = [s for index, example in enumerate(examples) for s in sequence_sources(example, index, 1)]
         if any(source is not None for source in seq_sources):
             batch["seq_sources"] = seq_sources
         return batch

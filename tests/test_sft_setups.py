@@ -396,3 +396,28 @@ def test_packed_trainer_lora_and_moe(tmp_path):
     packed_trainer(model, rows, tmp_path / "moe", per_device_train_batch_size=len(rows)).train()
     _, params = reference_step(reference, lambda m: weighted_reference(m, conversations, extra=aux))
     assert_same_step(model, params, initial)
+
+
+def test_sequence_columns_check_each_example_as_the_collators_do():
+    """PackedSFTTrainer's collator reads weights and sources with the collators' own checks: a
+    packed row's one `weight` or `source` is refused (which sequence would it belong to?), per
+    sequence values pass through, and target counts on only some rows are refused."""
+    from packed_ce.integrations.sft_data import SequenceColumns
+
+    def trl_collator(examples):  # one padding-free row: the examples' sequences back to back
+        lengths = [n for example in examples for n in example["seq_lengths"]]
+        bounds = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return {"cu_seq_lens_q": bounds}
+
+    columns = SequenceColumns(trl_collator, padding_free=True)
+    row = {"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}
+    for extra in ({"weight": 2.0}, {"source": "a"}):
+        with pytest.raises(ValueError, match=r"examples\[0\]` is a packed row"):
+            columns([row | extra])
+    batch = columns([row | {"seq_weights": [2.0, 0.5], "seq_sources": ["a", "b"]}])
+    assert batch["seq_weights"].tolist() == [2.0, 0.5] and batch["seq_sources"] == ["a", "b"]
+    assert batch["cu_seqlens"].tolist() == [0, 2, 5] and "seq_targets" not in batch
+    with pytest.raises(ValueError, match=r"examples\[0\]\['seq_weights'\]` must be finite"):
+        columns([row | {"seq_weights": [2.0, -1.0]}])
+    with pytest.raises(ValueError, match="some examples of the batch carry 'seq_targets'"):
+        columns([row | {"seq_targets": [1, 2]}, {"input_ids": [6], "seq_lengths": [1], "weight": 1.0}])

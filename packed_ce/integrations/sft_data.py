@@ -24,7 +24,11 @@ from typing import Any
 
 import torch
 
-WEIGHT, SOURCE = "weight", "source"
+from collators.collate import sequence_sources, sequence_weights
+from collators.packing import SOURCE_COLUMN as SOURCE
+from collators.packing import WEIGHT_COLUMN as WEIGHT
+
+from .trainer import ROW_COLUMNS, SOURCES_KEY
 
 
 def check_columns(dataset, name: str) -> None:
@@ -99,7 +103,7 @@ class SequenceColumns:
         padding_free: whether ``collator`` flattens the examples into one row.
     """
 
-    KEYS = ("seq_targets", "seq_weights", "seq_sources", WEIGHT, SOURCE)
+    KEYS = ROW_COLUMNS[1:]  # all but seq_lengths, which trl's collator reads
 
     def __init__(self, collator: Callable, padding_free: bool):
         self.collator = collator
@@ -110,12 +114,18 @@ class SequenceColumns:
         batch = self.collator(examples)
         if not any(extra):
             return batch
+        if len({values.get("seq_targets") is None for values in extra}) > 1:
+            raise ValueError(
+                "some examples of the batch carry 'seq_targets' and some do not: give every "
+                "packed row its sequences' target counts, or none"
+            )
         targets, weights, sources = [], [], []
-        for example, values in zip(examples, extra):
+        for index, (example, values) in enumerate(zip(examples, extra)):
             count = len(example["seq_lengths"]) if "seq_lengths" in example else 1
-            targets += values.get("seq_targets", [])
-            weights += values.get("seq_weights", [values.get(WEIGHT, 1.0)] * count)
-            sources += values.get("seq_sources", [values.get(SOURCE)] * count)
+            targets += values.get("seq_targets") or []
+            given = sequence_weights(values, index, count)
+            weights += [1.0] * count if given is None else given.tolist()
+            sources += sequence_sources(values, index, count)
         if self.padding_free:
             cu_seqlens = batch["cu_seq_lens_q"]
         else:
@@ -126,5 +136,5 @@ class SequenceColumns:
         if targets:  # pieces of split conversations (every row of a split packing)
             batch["seq_targets"] = torch.tensor(targets + [1] * padding, dtype=torch.int32)
         batch["seq_weights"] = torch.tensor(weights + [0.0] * padding)
-        batch["seq_sources"] = sources + [None] * padding
+        batch[SOURCES_KEY] = sources + [None] * padding
         return batch
