@@ -94,9 +94,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             for dataset in _datasets(bound.get(name)):
                 sft_data.check_columns(dataset, name)
         # the sources of the raw data (packing moves them to seq_sources)
-        self._sources = tuple(
-            sorted({s for name in ("train_dataset", "eval_dataset") for s in _sources_of(bound.get(name))})
-        )
+        self._sources = _sources_of(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
         if config is not None and config.assistant_only_loss:
             template = getattr(bound.get("processing_class"), "chat_template", None)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from transformers import Trainer, TrainerCallback
 
+from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
+
 from ..pending import check_pending
 from .batch import count_num_items
 from .installation import base_model, installation_of, packed_loss_of
@@ -32,7 +34,7 @@ from .loss import SEQ_LOSSES_KEY
 SOURCES_KEY = "seq_sources"
 # Data set columns the trainers keep for the collator: a packed row's boundaries, and each
 # conversation's (or piece's) target count, weight and source.
-ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, "weight", "source")
+ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, WEIGHT_COLUMN, SOURCE_COLUMN)
 
 
 class CheckPendingValues(TrainerCallback):
@@ -100,9 +102,7 @@ class PackedNormaliserMixin:
         refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
         self.add_callback(CheckPendingValues)
         if not self._sources:
-            self._sources = tuple(
-                sorted({s for d in (self.train_dataset, self.eval_dataset) for s in _sources_of(d)})
-            )
+            self._sources = _sources_of(self.train_dataset, self.eval_dataset)
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -268,14 +268,14 @@ def _datasets(dataset) -> list:
     return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
 
 
-def _sources_of(dataset) -> set[str]:
-    """The source names in the ``source`` / ``seq_sources`` columns of a ``train_dataset`` or
-    ``eval_dataset`` argument (``datasets.Dataset`` objects; none for other data)."""
+def _sources_of(*arguments) -> tuple[str, ...]:
+    """The sorted source names in the ``source`` / ``seq_sources`` columns of ``train_dataset``
+    / ``eval_dataset`` arguments (``datasets.Dataset`` objects; none for other data)."""
     names = set()
-    for data in _datasets(dataset):
+    for data in (data for argument in arguments for data in _datasets(argument)):
         columns = getattr(data, "column_names", None) or []
-        if "source" in columns:
-            names.update(s for s in data["source"] if isinstance(s, str))
+        if SOURCE_COLUMN in columns:
+            names.update(s for s in data[SOURCE_COLUMN] if isinstance(s, str))
         if SOURCES_KEY in columns:
             names.update(s for row in data[SOURCES_KEY] for s in row if isinstance(s, str))
-    return names
+    return tuple(sorted(names))
