@@ -235,11 +235,20 @@ def prepared_conversations(dataset) -> list[dict]:
     return [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in rows]
 
 
-def per_conversation_sgd_step(model, conversations: list[dict], lr: float = SFT_LR, weights=None):
-    """One SGD step of unpacked per-conversation training (weighted by ``weights``); returns its
-    loss, ``model`` stepped."""
+def snapshot(model) -> dict[str, torch.Tensor]:
+    """A copy of every parameter, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def per_conversation_sgd_step(
+    model, conversations: list[dict], lr: float = SFT_LR, weights=None, extra=None
+):
+    """One SGD step of unpacked per-conversation training (weighted by ``weights``, plus
+    ``extra(model)`` when given: a MoE router's loss); returns its loss, ``model`` stepped."""
     model.zero_grad(set_to_none=True)
     loss = one_at_a_time(model, conversations, weights)
+    if extra is not None:
+        loss = loss + extra(model)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():

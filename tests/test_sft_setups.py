@@ -29,36 +29,20 @@ from packed_ce.integrations import (  # noqa: E402
 from integration_utils import (  # noqa: E402
     IGNORE,
     flat_relative_error,
+    SFT_LENGTHS,
     one_at_a_time,
     parameter_updates,
+    per_conversation_sgd_step,
     relative_error,
     sft_args,
     sft_tokenizer,
     sgd,
+    snapshot,
     synthetic_conversations,
 )
 
 VOCAB = 3072  # the default tokenizer's size
 UPDATE_RTOL = 1e-5
-LENGTHS = [20, 12, 18, 14, 25, 7, 16, 16]
-
-
-def weighted_reference(model, conversations, weights=None, extra=None):
-    """The weighted per-conversation mean (:func:`one_at_a_time`), plus ``extra(model)``."""
-    loss = one_at_a_time(model, conversations, weights)
-    return loss + extra(model) if extra is not None else loss
-
-
-def reference_step(model, loss_fn):
-    """One SGD step of ``loss_fn(model)`` on a copy; returns the copy's trainable parameters."""
-    model.zero_grad(set_to_none=True)
-    loss = loss_fn(model)
-    loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 0.5 * p.grad
-    return loss.detach(), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def assert_same_step(trained, reference_params, initial):
@@ -81,10 +65,6 @@ def make_trainer(model, dataset, tmp_path, **fields):
     )
 
 
-def snapshot(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
 # --- LoRA / PEFT -------------------------------------------------------------------------------
 
 
@@ -102,7 +82,7 @@ def lora_config(head: bool = False):
 @pytest.mark.parametrize("how", ["peft_config", "PeftModel"])
 def test_lora_trains_the_adapter_on_the_per_conversation_mean(how, tmp_path):
     peft = pytest.importorskip("peft")
-    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=7)
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=7)
     config = lora_config()
     model, kwargs = tiny_causal_lm(VOCAB), {}
     if how == "peft_config":
@@ -124,7 +104,8 @@ def test_lora_trains_the_adapter_on_the_per_conversation_mean(how, tmp_path):
     initial = snapshot(trained)
     trainer.optimizer, trainer.lr_scheduler = sgd(trained)
     trainer.train()
-    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations))
+    per_conversation_sgd_step(reference, conversations)
+    params = snapshot(reference)
     assert_same_step(trained, params, initial)
 
 
@@ -141,7 +122,7 @@ def test_apply_packed_loss_on_a_peft_model_is_not_stock(head):
     batch = collators.PackedCollator()([{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations])
     loss = model(**batch).loss
     assert "Nll" not in type(loss.grad_fn).__name__
-    expected = weighted_reference(model, conversations)
+    expected = one_at_a_time(model, conversations)
     assert relative_error(loss, expected) <= 1e-5
 
 
@@ -171,14 +152,14 @@ MOE = {
 
 @pytest.mark.parametrize("arch", list(MOE))
 def test_moe_router_loss_is_added_as_trl_adds_it(arch, tmp_path):
-    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=8)
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=8)
     model = tiny_causal_lm(VOCAB, model_type=arch, **MOE[arch])
     trainer = make_trainer(model, Dataset.from_list(conversations), tmp_path, padding_free=True,
-                           max_length=None, per_device_train_batch_size=len(LENGTHS))
+                           max_length=None, per_device_train_batch_size=len(SFT_LENGTHS))
     assert trainer.aux_loss_enabled
     assert model._packed_ce.fused_options is None  # the router loss needs the model's forward
     reference = tiny_causal_lm(VOCAB, model_type=arch, **MOE[arch])  # the same weights
-    batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(len(LENGTHS))])
+    batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(len(SFT_LENGTHS))])
 
     def aux(m):  # the router loss of the one micro-batch; position_ids keep conversations apart
         out = m(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -187,7 +168,8 @@ def test_moe_router_loss_is_added_as_trl_adds_it(arch, tmp_path):
 
     initial = snapshot(model)
     trainer.train()
-    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations, extra=aux))
+    per_conversation_sgd_step(reference, conversations, extra=aux)
+    params = snapshot(reference)
     assert_same_step(model, params, initial)
     assert "aux_loss" in trainer.state.log_history[0]
 
@@ -212,15 +194,16 @@ def check_weighted_step(trainer, model, reference):
     conversations, weights, sources, _ = weighted_data()
     initial = snapshot(model)
     trainer.train()
-    loss, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
+    loss = per_conversation_sgd_step(reference, conversations, weights=weights)
+    params = snapshot(reference)
     assert_same_step(model, params, initial)
     logs = trainer.state.log_history[0]
     assert relative_error(torch.tensor(logs["loss"]), loss) <= 1e-5
     with torch.no_grad():
         for source in sorted(set(sources)):
             picked = [i for i, s in enumerate(sources) if s == source]
-            expected = weighted_reference(tiny_causal_lm(VOCAB, num_hidden_layers=0),
-                                          [conversations[i] for i in picked], [weights[i] for i in picked])
+            expected = one_at_a_time(tiny_causal_lm(VOCAB, num_hidden_layers=0),
+                                     [conversations[i] for i in picked], [weights[i] for i in picked])
             assert relative_error(torch.tensor(logs[f"loss/{source}"]), expected) <= 1e-5, source
 
 
@@ -257,7 +240,8 @@ def test_stock_trl_differs_on_weighted_data(tmp_path):
                          train_dataset=dataset, processing_class=sft_tokenizer(), optimizers=sgd(model))
     initial = snapshot(model)
     trainer.train()
-    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations, weights))
+    per_conversation_sgd_step(reference, conversations, weights=weights)
+    params = snapshot(reference)
     updates = parameter_updates(model, initial)
     error = flat_relative_error(updates, {n: params[n] - initial[n] for n in params})
     assert error > 0.01
@@ -274,7 +258,7 @@ def test_stock_trl_differs_on_weighted_data(tmp_path):
 )
 def test_bad_weight_or_source_is_refused_before_preparation(column, value, error, match, tmp_path,
                                                             monkeypatch):
-    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=3)
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)
     good = 1.0 if column == "weight" else "chat"
     # a column of one type (Arrow's): a wrong type is wrong in every row, a wrong value in row 3
     wrong_type = isinstance(value, (str, int)) and not isinstance(value, float)
@@ -295,7 +279,7 @@ def test_refusals_come_before_the_data_is_prepared(fields, tmp_path, monkeypatch
     prepared = []
     monkeypatch.setattr(PackedSFTTrainer, "_prepare_dataset", lambda self, *a: prepared.append(a))
     with pytest.raises(ValueError, match="loss_type|packing_strategy"):
-        make_trainer(tiny_causal_lm(VOCAB), Dataset.from_list(synthetic_conversations(LENGTHS, VOCAB)),
+        make_trainer(tiny_causal_lm(VOCAB), Dataset.from_list(synthetic_conversations(SFT_LENGTHS, VOCAB)),
                      tmp_path, **({"padding_free": True, "max_length": None} | fields))
     assert not prepared
 
@@ -371,7 +355,7 @@ def test_packed_trainer_weights_sources_and_split_rows(tmp_path):
 
 def test_packed_trainer_lora_and_moe(tmp_path):
     peft = pytest.importorskip("peft")
-    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=11)
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=11)
     rows = [{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations]
     # LoRA: the adapter's parameters take the per-conversation step
     model = apply_packed_loss(peft.get_peft_model(tiny_causal_lm(VOCAB), lora_config()))
@@ -379,7 +363,8 @@ def test_packed_trainer_lora_and_moe(tmp_path):
     reference.load_state_dict(model.state_dict())
     initial = snapshot(model)
     packed_trainer(model, rows, tmp_path / "lora", per_device_train_batch_size=len(rows)).train()
-    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations))
+    per_conversation_sgd_step(reference, conversations)
+    params = snapshot(reference)
     assert_same_step(model, params, initial)
     # MoE: the model's own router loss, once per micro-batch
     arch = "mixtral"
@@ -394,7 +379,8 @@ def test_packed_trainer_lora_and_moe(tmp_path):
 
     initial = snapshot(model)
     packed_trainer(model, rows, tmp_path / "moe", per_device_train_batch_size=len(rows)).train()
-    _, params = reference_step(reference, lambda m: weighted_reference(m, conversations, extra=aux))
+    per_conversation_sgd_step(reference, conversations, extra=aux)
+    params = snapshot(reference)
     assert_same_step(model, params, initial)
 
 

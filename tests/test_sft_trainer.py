@@ -33,6 +33,7 @@ from integration_utils import (  # noqa: E402
     sft_args,
     sft_tokenizer,
     sgd,
+    snapshot,
     synthetic_conversations,
 )
 
@@ -73,7 +74,7 @@ def truth(conversations: list[dict], vocab_size: int):
             correct += int((logits[mask].argmax(-1) == labels[mask]).sum())
             targets += int(mask.sum())
     loss = per_conversation_sgd_step(model, conversations)
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = snapshot(model)
     return params, loss, entropy / targets, correct / targets
 
 
@@ -85,7 +86,7 @@ def train(trainer_class, model, dataset, tmp_path, **fields):
         processing_class=sft_tokenizer(),
         optimizers=sgd(model),
     )
-    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    initial = snapshot(model)
     trainer.train()
     return trainer, initial
 
