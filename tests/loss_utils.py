@@ -122,6 +122,16 @@ KERNEL_DEVICES = [
         ],
     ),
 ]
+# (backend, device) pairs: the torch backend on the CPU, the Triton kernel where it runs.
+BACKEND_DEVICES = [
+    pytest.param(("torch", "cpu"), id="torch"),
+    *(pytest.param(("triton", p.values[0]), marks=p.marks, id=f"triton-{p.values[0]}") for p in KERNEL_DEVICES),
+]
+# Both backends on CPU tensors (the kernel through the interpreter).
+CPU_BACKENDS = [
+    pytest.param("torch", id="torch"),
+    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")),
+]
 
 # The option combinations every loss is checked under: each term of l_t alone, then all at once.
 OPTION_SETS = {

@@ -13,7 +13,6 @@ the Triton interpreter on CPU). Tiny shapes: the whole table runs in seconds.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -25,7 +24,7 @@ import packed_ce
 from packed_ce import ChunkOptions, LossOptions
 from packed_ce.targets import count_normaliser
 
-from loss_utils import INTERPRETING, per_sequence_loss
+from loss_utils import CPU_BACKENDS as BACKENDS, per_sequence_loss
 
 N, V, H = 6, 11, 4  # tokens, vocabulary, hidden size
 INF, NAN = float("inf"), float("nan")
@@ -304,10 +303,6 @@ def _rows_objects():
     ]
 
 
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")),
-]
 
 
 def _check(outcome, call: Callable[[], object], backend: str | None = None) -> None:

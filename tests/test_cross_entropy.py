@@ -19,6 +19,7 @@ from packed_ce.options import ChunkOptions, LossOptions
 from packed_ce.targets import count_normaliser, prepare_targets
 
 from loss_utils import (
+    BACKEND_DEVICES as BACKENDS,
     KERNEL_DEVICES,
     assert_close,
     OPTION_SETS,
@@ -295,10 +296,6 @@ def test_second_backward_is_refused(device):
 
 
 # (backend, device): the reference on CPU, and the kernel wherever it can run
-BACKENDS = [
-    pytest.param(("torch", "cpu"), id="torch"),
-    *(pytest.param(("triton", p.values[0]), marks=p.marks, id=f"triton-{p.values[0]}") for p in KERNEL_DEVICES),
-]
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)

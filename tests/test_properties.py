@@ -13,16 +13,12 @@ import torch
 
 import packed_ce
 
-from loss_utils import INTERPRETING, assert_close
+from loss_utils import CPU_BACKENDS as BACKENDS, assert_close
 
 hypothesis = pytest.importorskip("hypothesis")  # the GPU image runs the cuda tests without it
 st = hypothesis.strategies
 
 V = 7
-BACKENDS = [
-    pytest.param("torch", id="torch"),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not INTERPRETING, reason="needs TRITON_INTERPRET=1")),
-]
 PROPERTY_SETTINGS = hypothesis.settings(max_examples=12, derandomize=True, deadline=None)
 
 

@@ -14,22 +14,15 @@ import pytest
 import torch
 
 import packed_ce
-from loss_utils import KERNEL_DEVICES, OPTION_SETS, assert_close, per_sequence_loss, random_packing, seed_for_test
+from loss_utils import BACKEND_DEVICES, OPTION_SETS, assert_close, per_sequence_loss, random_packing, seed_for_test
 
 V = 37
-
-
-def backends():
-    return [pytest.param(("torch", "cpu"), id="torch")] + [
-        pytest.param(("triton", p.values[0]), marks=p.marks, id=f"triton-{p.values[0]}")
-        for p in KERNEL_DEVICES
-    ]
 
 
 @pytest.mark.parametrize("boundaries", ["cu_seqlens", "position_ids"])
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", BACKEND_DEVICES)
 def test_sequence_shares_against_the_loop(backend, weighted, fused, boundaries):
     backend, device = backend
     if weighted and boundaries == "position_ids":
