@@ -260,7 +260,7 @@ def count_normaliser(
         seq_targets=seq_targets,
         seq_weights=seq_weights,
     )
-    # checks seq_targets / seq_weights too (check_per_sequence)
+    # checks seq_targets / seq_weights too (their rules in validation.TENSOR_RULES)
     check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
     # float64: the step's normaliser is a sum of fractions over micro-batches and processes,
     # kept exact to ~1e-16 until the loss rounds it once to its compute dtype

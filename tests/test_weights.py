@@ -23,7 +23,7 @@ from collators import PackedCollator, pack_dataset, shard_batch
 from collator_reference import IGNORE, conversation_mean_loss, lookup_table, packed_weighted_sum
 from loss_utils import KERNEL_DEVICES, OPTION_SETS, assert_close, random_packing
 
-# (backend, device, dtype, relative tolerance against float64): the reference in float64, the
+# (backend, device, dtype; tolerances by dtype in loss_utils.assert_close): the reference in float64, the
 # kernels in float32 wherever they can run
 BACKENDS = [
     pytest.param(("torch", "cpu", torch.float64), id="torch-fp64"),
