@@ -1,6 +1,7 @@
 """Data parallelism: two processes give the gradients of one process on the global batch.
 
-Run the GPU tests (two CUDA GPUs, NCCL; DDP and FSDP2 through accelerate) with one command:
+Run the GPU tests (two CUDA GPUs, NCCL; DDP, FSDP2 and DeepSpeed ZeRO-3 through accelerate)
+with one command:
 
     PYTHONPATH=$PWD python -m pytest -q -p no:cacheprovider -m cuda -s tests/test_distributed.py
 
@@ -12,9 +13,12 @@ conversation of the global batch alone through transformers' own loss and averag
 
 On CPU the processes talk through gloo; the ``cuda`` tests run the same workers with NCCL on two
 GPUs. Workers are started with ``torch.multiprocessing.spawn`` and write their results to files.
-The trainers run with the Trainer's own SGD (``optim="sgd"``, constant rate), which FSDP2 can
-shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of pre-tokenized
-conversations with a ``weight`` column.
+The trainers run with the Trainer's own SGD (``optim="sgd"``, constant rate), which FSDP2 and
+ZeRO-3 can shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of pre-tokenized
+conversations with a ``weight`` column, once training every parameter and once a LoRA adapter
+(``peft_config=``). Each set-up of several processes is one of ``PARALLEL``: plain DDP, FSDP2
+(GPUs only: accelerate falls back to DDP on CPU) and DeepSpeed ZeRO-3 (where ``deepspeed`` is
+installed; on CPU through its gloo backend).
 """
 
 from __future__ import annotations
@@ -54,12 +58,34 @@ LR = 0.5
 HAS_TRL = importlib.util.find_spec("trl") is not None
 SFT_BATCH = len(SFT_LENGTHS) // (WORLD * ACCUMULATION)  # one step over the SFT data set
 
-# FSDP2 through accelerate, each decoder layer a shard unit (the legacy string form of `fsdp`
-# is understood by every transformers 5 release)
-FSDP2 = dict(
-    fsdp="full_shard auto_wrap",
-    fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-)
+HAS_PEFT = importlib.util.find_spec("peft") is not None
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+# DeepSpeed ZeRO-3 through TrainingArguments(deepspeed=...): the Trainer fills the "auto" fields
+# from its own arguments (batch size, accumulation, clipping, precision: float32 here). A
+# persistence threshold of 0 partitions every parameter, however small (by default those under
+# 100k elements stay whole on every rank, which would leave this tiny model unsharded).
+ZERO3 = {
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "train_micro_batch_size_per_gpu": "auto",
+    "train_batch_size": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+}
+
+# The Trainer arguments of each multi-process set-up. FSDP2 through accelerate, each decoder
+# layer a shard unit (the legacy string form of `fsdp` is understood by every transformers 5
+# release).
+PARALLEL = {
+    "ddp": {},
+    "fsdp2": dict(
+        fsdp="full_shard auto_wrap",
+        fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+    ),
+    "zero3": dict(deepspeed=ZERO3),
+}
 
 
 def packed_rows(count: int) -> list[dict]:
@@ -87,13 +113,24 @@ def micro_batches(rows: list[dict], rank: int) -> list[list[dict]]:
     return batches[rank::WORLD]
 
 
-def worker(rank: int, port: int, backend: str, out_dir: str, fsdp: bool) -> None:
+def runs_of(parallel: str) -> tuple[str, ...]:
+    """The runs a pair of processes makes under ``parallel`` (a key of ``PARALLEL``)."""
+    runs = ("trainer",)
+    if HAS_TRL:
+        runs += ("sft",)
+        if HAS_PEFT and parallel != "zero3":
+            runs += ("lora",)
+    return runs + (("ddp",) if parallel == "ddp" else ())
+
+
+def worker(rank: int, port: int, backend: str, out_dir: str, parallel: str) -> None:
     """Every run in one pair of processes (starting processes is the slow part of this file).
 
-    Without ``fsdp``: one accumulated step through plain DDP (this rank's gradients are saved),
-    then STEPS optimiser steps through PackedTrainer and one through PackedSFTTrainer (their
-    parameters are saved). With ``fsdp``: the two trainers under FSDP2. accelerate picks up the
-    process group already initialised from the environment.
+    With ``parallel="ddp"``: one accumulated step through plain DDP (this rank's gradients are
+    saved); then, under ``PARALLEL[parallel]``, STEPS optimiser steps through PackedTrainer and
+    one through PackedSFTTrainer, training every parameter and then a LoRA adapter (their
+    parameters are saved). accelerate picks up the process group already initialised from the
+    environment.
     """
     os.environ.update(
         RANK=str(rank),
@@ -111,16 +148,14 @@ def worker(rank: int, port: int, backend: str, out_dir: str, fsdp: bool) -> None
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     dist.init_process_group(backend)
-    parallel = FSDP2 if fsdp else {}
+    steps = {"trainer": trainer_steps, "sft": sft_steps, "lora": lora_steps}
     try:
-        if not fsdp:
-            grads = ddp_step(rank, device)
-            torch.save(grads, os.path.join(out_dir, f"ddp-rank{rank}.pt"))
-        params = trainer_steps(backend, out_dir, **parallel)
-        torch.save(params, os.path.join(out_dir, f"trainer-rank{rank}.pt"))
-        if HAS_TRL:
-            params = sft_steps(backend, out_dir, **parallel)
-            torch.save(params, os.path.join(out_dir, f"sft-rank{rank}.pt"))
+        for run in runs_of(parallel):
+            if run == "ddp":
+                result = ddp_step(rank, device)
+            else:
+                result = steps[run](backend, out_dir, parallel)
+            torch.save(result, os.path.join(out_dir, f"{run}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -149,18 +184,43 @@ def ddp_step(rank: int, device: torch.device) -> dict:
     return {k: v.cpu() for k, v in gradients(model).items()}
 
 
-def full_parameters(model, sharded: bool = False) -> dict:
-    """Every parameter whole and on the CPU (FSDP2 holds each rank's shard as a DTensor).
+def full_parameters(model, parallel: str = "ddp") -> dict:
+    """Every parameter whole and on the CPU (FSDP2 holds each rank's shard as a DTensor, ZeRO-3
+    a flat partition that ``GatheredParameters`` assembles).
 
-    With ``sharded``, raises unless the parameters are FSDP2 shards: accelerate ignores the FSDP
+    Raises unless the parameters are sharded as ``parallel`` asks: accelerate ignores the FSDP
     plugin where it cannot apply it (on CPU, for one), and the test would then pass on DDP.
     """
-    if sharded and not all(hasattr(p, "full_tensor") for p in model.parameters()):
+    params = list(model.parameters())
+    if parallel == "fsdp2" and not all(hasattr(p, "full_tensor") for p in params):
         raise AssertionError("FSDP2 was asked for but the model's parameters are not sharded")
+    if parallel == "zero3":
+        import deepspeed
+
+        if not all(hasattr(p, "ds_id") for p in params):
+            raise AssertionError("ZeRO-3 was asked for but the model's parameters are not partitioned")
+        with deepspeed.zero.GatheredParameters(params):
+            return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     return {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
         for name, p in model.named_parameters()
     }
+
+
+def unpartitioned(model):
+    """``model``, checked to be built whole: after a ZeRO-3 run the Trainer's DeepSpeed config
+    can outlive it, and transformers would then build the next model partitioned, through
+    ``deepspeed.zero.Init``, with other initial weights than the reference's."""
+    assert not any(hasattr(p, "ds_id") for p in model.parameters()), "built under zero.Init"
+    return model
+
+
+def release_deepspeed_config() -> None:
+    """Forgets the DeepSpeed config a ZeRO-3 run left in transformers (see :func:`unpartitioned`)."""
+    if HAS_DEEPSPEED:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
 
 
 # per-conversation weights of the SFT data set (0 removes one): the step is their weighted mean
@@ -171,13 +231,13 @@ def sft_conversations() -> list[dict]:
     return synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)
 
 
-def sft_steps(backend: str, out_dir: str, **parallel) -> dict:
-    """One optimiser step of PackedSFTTrainer over the SFT data set; returns the parameters."""
+def sft_trainer(backend: str, out_dir: str, parallel: str, **kwargs):
+    """PackedSFTTrainer over the SFT data set, one optimiser step (``kwargs``: ``peft_config``)."""
     from datasets import Dataset
 
     from packed_ce.integrations import PackedSFTTrainer
 
-    model = tiny_model("llama", VOCAB)
+    model = unpartitioned(tiny_model("llama", VOCAB))
     args = sft_args(
         out_dir,
         padding_free=True,
@@ -188,21 +248,48 @@ def sft_steps(backend: str, out_dir: str, **parallel) -> dict:
         use_cpu=backend == "gloo",
         ddp_backend=backend,
         ddp_find_unused_parameters=False,
-        **parallel,
+        **PARALLEL[parallel],
     )
-    trainer = PackedSFTTrainer(
+    return PackedSFTTrainer(
         model=model,
         args=args,
         train_dataset=Dataset.from_list(
             [{**c, "weight": w} for c, w in zip(sft_conversations(), SFT_WEIGHTS)]
         ),
         processing_class=tiny_tokenizer(VOCAB),
+        **kwargs,
     )
+
+
+def sft_steps(backend: str, out_dir: str, parallel: str) -> dict:
+    """One optimiser step of PackedSFTTrainer over the SFT data set; returns the parameters."""
+    trainer = sft_trainer(backend, out_dir, parallel)
     trainer.train()
-    return full_parameters(trainer.model, sharded=bool(parallel))
+    params = full_parameters(trainer.model, parallel)
+    release_deepspeed_config()
+    return params
 
 
-def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
+def lora_config():
+    from peft import LoraConfig
+
+    # init_lora_weights=False: B random too, so that A and B both get a gradient in one step
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                      init_lora_weights=False)  # fmt: skip
+
+
+def lora_steps(backend: str, out_dir: str, parallel: str) -> dict:
+    """One optimiser step of PackedSFTTrainer with ``peft_config=``: the parameters before (as
+    trl initialised the adapter) and after, by name of the PEFT model."""
+    trainer = sft_trainer(backend, out_dir, parallel, peft_config=lora_config())
+    initial = {name: p.detach().cpu().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    params = full_parameters(trainer.model, parallel)
+    release_deepspeed_config()
+    return {"initial": initial, "final": params}
+
+
+def trainer_steps(backend: str, out_dir: str, parallel: str) -> dict:
     """STEPS optimiser steps through PackedTrainer; returns the parameters."""
     from transformers import TrainingArguments
 
@@ -215,7 +302,7 @@ def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
                 train_dataset if train_dataset is not None else self.train_dataset
             )
 
-    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
+    model = apply_packed_loss(unpartitioned(tiny_model("llama", VOCAB)), is_packed=True)
     args = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=BATCH_ROWS,
@@ -232,7 +319,7 @@ def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
         ddp_find_unused_parameters=False,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        **parallel,
+        **PARALLEL[parallel],
     )
     trainer = SequentialPackedTrainer(
         model=model,
@@ -241,16 +328,17 @@ def trainer_steps(backend: str, out_dir: str, **parallel) -> dict:
         data_collator=PackedCollator(),
     )
     trainer.train()
-    return full_parameters(trainer.model, sharded=bool(parallel))
+    params = full_parameters(trainer.model, parallel)
+    release_deepspeed_config()
+    return params
 
 
-def run_workers(backend: str, out_dir: str, fsdp: bool = False) -> dict[str, list[dict]]:
+def run_workers(backend: str, out_dir: str, parallel: str = "ddp") -> dict[str, list[dict]]:
     """Every run on WORLD processes; results by run, one entry per rank."""
-    mp.spawn(worker, args=(free_port(), backend, out_dir, fsdp), nprocs=WORLD, join=True)
-    runs = ("trainer",) + (("sft",) if HAS_TRL else ()) + (() if fsdp else ("ddp",))
+    mp.spawn(worker, args=(free_port(), backend, out_dir, parallel), nprocs=WORLD, join=True)
     return {
         run: [torch.load(os.path.join(out_dir, f"{run}-rank{rank}.pt")) for rank in range(WORLD)]
-        for run in runs
+        for run in runs_of(parallel)
     }
 
 
@@ -289,22 +377,38 @@ def on_two_gpus(backend: str):
     )
 
 
+def with_deepspeed(param):
+    """``param`` (a ZeRO-3 set-up), skipped where deepspeed is not installed."""
+    skip = pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs deepspeed")
+    return pytest.param(*param.values, id=param.id, marks=[*param.marks, skip])
+
+
+# a set-up is "<backend>" (plain DDP) or "<backend>-<parallel>", parallel a key of PARALLEL
 BACKENDS = [pytest.param("gloo", id="gloo-cpu"), on_two_gpus("nccl")]
-TRAINER_BACKENDS = BACKENDS + [on_two_gpus("nccl-fsdp2")]  # the trainers also under FSDP2
+TRAINER_BACKENDS = BACKENDS + [
+    on_two_gpus("nccl-fsdp2"),
+    with_deepspeed(pytest.param("gloo-zero3", id="gloo-cpu-zero3")),
+    with_deepspeed(on_two_gpus("nccl-zero3")),
+]
+LORA_BACKENDS = BACKENDS + [on_two_gpus("nccl-fsdp2")]
+
+
+def split_setup(setup: str) -> tuple[str, str]:
+    """``(backend, parallel)`` of a set-up id: ``"nccl-fsdp2"`` -> ``("nccl", "fsdp2")``."""
+    backend, _, parallel = setup.partition("-")
+    return backend, parallel or "ddp"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """``results(backend)``: the workers' results, spawned once per backend for all tests."""
+    """``results(setup)``: the workers' results, spawned once per set-up for all tests."""
     cache = {}
 
-    def get(backend):
-        if backend not in cache:
-            fsdp = backend == "nccl-fsdp2"
-            cache[backend] = run_workers(
-                "nccl" if fsdp else backend, str(tmp_path_factory.mktemp(backend)), fsdp
-            )
-        return cache[backend]
+    def get(setup):
+        if setup not in cache:
+            backend, parallel = split_setup(setup)
+            cache[setup] = run_workers(backend, str(tmp_path_factory.mktemp(setup)), parallel)
+        return cache[setup]
 
     return get
 
@@ -325,9 +429,13 @@ def test_ddp_matches_one_process_on_the_global_batch(backend, results):
     print(f"{backend}: worst relative gradient error {worst:.2e}")
 
 
+def device_of(setup: str) -> str:
+    return "cpu" if split_setup(setup)[0] == "gloo" else "cuda"
+
+
 @pytest.mark.parametrize("backend", TRAINER_BACKENDS)
 def test_packed_trainer_matches_one_process(backend, results):
-    device = "cpu" if backend == "gloo" else "cuda"
+    device = device_of(backend)
     initial = {
         name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
     }
@@ -342,7 +450,7 @@ def test_packed_sft_trainer_matches_one_process(backend, results):
     """PackedSFTTrainer, padding-free, gradient accumulation 2 on each of two processes, with a
     ``weight`` column: the step minimises the weighted mean over all micro-batches and ranks."""
     pytest.importorskip("trl")
-    device = "cpu" if backend == "gloo" else "cuda"
+    device = device_of(backend)
     initial = {
         name: p.detach().clone() for name, p in tiny_model("llama", VOCAB).named_parameters()
     }
@@ -350,3 +458,30 @@ def test_packed_sft_trainer_matches_one_process(backend, results):
     for rank_params in results(backend)["sft"]:
         worst = assert_gradients_close(updates(rank_params, initial), expected)
     print(f"{backend}: PackedSFTTrainer worst relative parameter-update error {worst:.2e}")
+
+
+@pytest.mark.parametrize("backend", LORA_BACKENDS)
+def test_packed_sft_trainer_lora_matches_one_process(backend, results):
+    """PackedSFTTrainer with ``peft_config=`` (LoRA on q_proj and v_proj), the same data and
+    step as above: the adapter's parameters after the step equal one process's per-conversation
+    SGD step on the global batch from the same initial adapter, and the base stays frozen."""
+    pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    device = device_of(backend)
+    runs = results(backend)["lora"]
+    initial = runs[0]["initial"]
+    for run in runs[1:]:  # trl seeds before it creates the adapter: every rank starts alike
+        for name, value in run["initial"].items():
+            torch.testing.assert_close(value, initial[name], rtol=0, atol=0)
+    reference = peft.get_peft_model(tiny_model("llama", VOCAB), lora_config()).to(device)
+    reference.load_state_dict(initial)
+    trainable = [name for name, p in reference.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    per_conversation_sgd_step(reference, sft_conversations(), weights=SFT_WEIGHTS)
+    expected = {name: p.detach().cpu() - initial[name] for name, p in reference.named_parameters()}
+    for run in runs:
+        update = updates(run["final"], initial)
+        worst = assert_gradients_close({n: update[n] for n in trainable}, {n: expected[n] for n in trainable})
+        frozen = [name for name in update if name not in trainable]
+        assert all(not update[name].any() for name in frozen)
+    print(f"{backend}: PackedSFTTrainer LoRA worst relative adapter-update error {worst:.2e}")
