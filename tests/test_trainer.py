@@ -257,3 +257,24 @@ def test_split_and_weighted_conversations_keep_their_weight(tmp_path):
     expected = updates(truth, initial)
     worst = assert_gradients_close(updates(model, initial), expected)
     print(f"split + weighted: worst relative parameter-update error {worst:.2e}")
+
+
+def test_weights_keep_their_dtype_where_deepspeed_casts_the_batch(tmp_path, monkeypatch):
+    """Under DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
+    (bf16 here, stood in for: no DeepSpeed engine is needed to prepare a batch); the weights of
+    the objective stay float32, exactly as collated, while the activations' inputs are cast."""
+    from types import SimpleNamespace
+
+    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
+    trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
+    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(dtype=lambda: torch.bfloat16))
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
+    monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    weights = torch.tensor([0.1, 2.0, 0.7])  # 0.1 and 0.7 are not bf16 numbers
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "seq_weights": weights,
+             "inputs_embeds": torch.zeros(1, 3, 2)}  # fmt: skip
+    prepared = trainer._prepare_inputs(batch)
+    assert prepared["inputs_embeds"].dtype == torch.bfloat16  # the Trainer's cast is on
+    assert prepared["input_ids"].dtype == torch.int64
+    torch.testing.assert_close(prepared["seq_weights"], weights, rtol=0, atol=0)
+    assert batch["seq_weights"] is weights  # the caller's batch is left as it was

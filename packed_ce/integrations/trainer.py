@@ -35,6 +35,11 @@ SOURCES_KEY = "seq_sources"
 # Data set columns the trainers keep for the collator: a packed row's boundaries, and each
 # conversation's (or piece's) target count, weight and source.
 ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, WEIGHT_COLUMN, SOURCE_COLUMN)
+# Batch keys of floating tensors that are part of the objective, not activations: under
+# DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
+# (Trainer._prepare_input), and in bf16 a weight of 0.1 would weigh 0.10009765625 while the
+# step's normaliser is counted from the weights as collated.
+EXACT_FLOAT_KEYS = ("seq_weights",)
 
 
 class CheckPendingValues(TrainerCallback):
@@ -109,6 +114,14 @@ class PackedNormaliserMixin:
         for column in ROW_COLUMNS:  # the collator's inputs
             if column not in self._signature_columns:
                 self._signature_columns.append(column)
+
+    def _prepare_inputs(self, inputs: dict) -> dict:
+        """The Trainer's preparation of a batch, with the keys of ``EXACT_FLOAT_KEYS`` moved to
+        the device in their own dtype."""
+        exact = {key: inputs[key] for key in EXACT_FLOAT_KEYS if torch.is_tensor(inputs.get(key))}
+        prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k not in exact})
+        prepared.update({key: value.to(self.args.device) for key, value in exact.items()})
+        return prepared
 
     def _router_loss(self) -> float:
         """The coefficient of a MoE router's auxiliary loss, 0.0 when there is none."""
