@@ -23,6 +23,15 @@ nothing recompiles after the first step). Data: the synthetic multi-turn convers
 few hundred tokens, only assistant turns are targets), given to trl already tokenized
 (``input_ids``, ``labels``), which packs them best-fit-decreasing into rows of ``--row-length``.
 
+``--adapter`` chooses what trains, the same for every run: ``full`` (default) every parameter;
+``lora`` a LoRA adapter (``peft_config=LoraConfig(**LORA)``: r=16 on every linear layer) on the
+bf16 model; ``qlora`` the same adapter on the model in 4 bits (bitsandbytes nf4, bf16 compute and
+storage of what stays unquantized, the output embedding among it): the random bf16 weights are
+saved once per model size under the temporary folder (``packed_ce_bench_checkpoints/``, reused
+by every later run and probe) and loaded back with ``from_pretrained(...,
+quantization_config=BitsAndBytesConfig(...))``, as a released model is. ``--reverse`` makes the
+runs in the reverse order (Liger's still last), so that two invocations alternate the order.
+
 Two measurements (one shell call each on a GPU):
 
 - throughput (default): per run ``--warmup`` steps, then ``--max-steps`` steady steps. Step time is
@@ -67,10 +76,12 @@ On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft
     PYTHONPATH=. python benchmarks/bench_trl.py --out benchmarks/results           # ~4 min
     PYTHONPATH=. python benchmarks/bench_trl.py --longest --out benchmarks/results # <= --seconds
     PYTHONPATH=. python benchmarks/bench_trl.py --model tiny --device cpu          # CPU, ~1 min
+    PYTHONPATH=. python benchmarks/bench_trl.py --adapter qlora --runs packed stock  # + bitsandbytes
 
-Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``) and one JSON per run (as
-soon as it ends) or search (``..._<run>_<device>.json``) under ``--out`` (default: a temporary
-folder); ``make_tables.py`` renders them.
+Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``; ``_lora`` or ``_qlora`` after
+the model with ``--adapter``) and one JSON per run (as soon as it ends) or search
+(``..._<run>_<device>.json``) under ``--out`` (default: a temporary folder); ``make_tables.py``
+renders them.
 
 Dimensions: T tokens per row, V vocabulary, S sequences.
 """
@@ -99,6 +110,7 @@ from bench_training import ChatShape, make_conversations
 IGNORE_INDEX = harness.IGNORE_INDEX
 DISTRIBUTIONS = (
     "torch", "triton", "transformers", "trl", "datasets", "accelerate", "peft", "liger-kernel",
+    "bitsandbytes",
 )  # fmt: skip
 RUNS = {
     "packed": "PackedSFTTrainer (defaults: per-conversation mean, fused LM head + loss)",
@@ -110,10 +122,11 @@ RUNS = {
     "packed_all_rows": "PackedSFTTrainer, every row through the GEMMs (drop_ignored_rows=False)",
 }
 DEFAULT_RUNS = ("packed", "stock", "packed_liger", "stock_liger")
-# Llama-3.2-1B and Llama-3-8B shapes; "tiny" runs on a CPU in seconds.
+# Llama-3.2-1B and Llama-3-8B shapes; "tiny" runs on a CPU in seconds (its matrices' rows are
+# one nf4 block of 64 values or more: bitsandbytes' CPU kernels take no shorter rows).
 MODELS = {
     "tiny": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
         max_position_embeddings=1024,
     ),
@@ -141,6 +154,11 @@ CHATS = {
 }
 LORA = dict(
     r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+)
+ADAPTERS = ("full", "lora", "qlora")
+# QLoRA's base model: 4-bit NormalFloat weights, dequantised to bf16 for each matrix product
+QUANTIZATION = dict(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16"
 )
 # Kernels and ops of packed-ce's own path, by name, in a profile.
 OWN_NAMES = ("_cross_entropy_kernel", "_targets", "packed_ce")
@@ -189,15 +207,53 @@ def make_tokenizer():
     )  # fmt: skip
 
 
-def build_model(model: str, attention: str, device: torch.device):
+def build_model(model: str, attention: str, device: torch.device, quantized: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if quantized:
+        return load_quantized(model, attention, device)
     # use_cache=False: with a cache transformers ignores the packed position_ids
     config = LlamaConfig(**MODELS[model], use_cache=False, attn_implementation=attention)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM._from_config(config, dtype=dtype)
+
+
+def quantized_checkpoint(model: str, device: torch.device) -> Path:
+    """The folder of ``model``'s random bf16 weights (the same as :func:`build_model`'s on
+    CUDA), saved on first use; later runs and processes load it again."""
+    folder = Path(tempfile.gettempdir()) / "packed_ce_bench_checkpoints" / model
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODELS[model], use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        weights = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    partial = folder.with_name(f"{model}.partial")
+    weights.save_pretrained(partial)  # config.json last: a folder with it is complete
+    del weights
+    partial.rename(folder)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return folder
+
+
+def load_quantized(model: str, attention: str, device: torch.device):
+    """``model`` loaded in 4 bits (``QUANTIZATION``) as ``from_pretrained`` loads a released
+    model: every linear layer of the decoder a ``bnb.nn.Linear4bit``, the rest in bf16."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    folder = quantized_checkpoint(model, device)
+    return AutoModelForCausalLM.from_pretrained(
+        folder,
+        quantization_config=BitsAndBytesConfig(**QUANTIZATION),
+        dtype=torch.bfloat16,
+        device_map={"": str(device)},
+        attn_implementation=attention,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +269,7 @@ class Job:
     steps: int
     gradient_checkpointing: bool
     lora: bool = False
+    quantized: bool = False  # QLoRA's 4-bit base model (with lora)
     profile: bool = False
     pad_rows: bool = False  # pad every row to row_length (probes, flex attention)
 
@@ -279,7 +336,7 @@ def make_trainer(
         from peft import LoraConfig
 
         extra["peft_config"] = LoraConfig(**LORA)
-    model = build_model(job.model, job.attention, device)
+    model = build_model(job.model, job.attention, device, job.quantized)
     if job.run == "packed_all_rows":
         from packed_ce import ChunkOptions
         from packed_ce.integrations import apply_packed_loss
@@ -548,13 +605,17 @@ def throughput_run(job: Job) -> dict:
     timed = slice(job.warmup, job.warmup + job.steps - (1 if job.profile else 0))
     steady, steady_tokens = seconds[timed], tokens[timed]
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    tolerance = 1e-4 if device.type == "cpu" else 2e-3  # fp32 / bf16 (8 significant bits)
+    bf16 = device.type == "cuda" or job.quantized  # a 4-bit model computes in bf16 on a CPU too
+    tolerance = 2e-3 if bf16 else 1e-4  # bf16 (8 significant bits) / fp32
     result = {
         "run": job.run,
         "label": RUNS[job.run],
         "job": dataclasses.asdict(job),
         "trainer": type(trainer).__mro__[2].__name__,
         "parameters": parameters,
+        "trainable_parameters": sum(
+            p.numel() for p in trainer.model.parameters() if p.requires_grad
+        ),
         "optimizer": str(trainer.args.optim),
         "warmup_seconds": seconds[: job.warmup],
         "step_seconds": steady,
@@ -824,8 +885,15 @@ def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str)
         runs[job.run] = run_worker(task, args.isolate)
         if "died" in runs[job.run]:
             runs[job.run] = {"error": runs[job.run]["died"]}
-        harness.write_json(out / f"trl_steps_{job.model}_{job.run}_{slug}.json", runs[job.run])
-    return {"runs": runs, "skipped_runs": skipped}
+        name = f"trl_steps_{job.model}{adapter_suffix(args)}_{job.run}_{slug}.json"
+        harness.write_json(out / name, runs[job.run])
+    # in the order of RUNS, whatever order they ran in
+    return {"runs": {run: runs[run] for run in RUNS if run in runs}, "skipped_runs": skipped}
+
+
+def adapter_suffix(args) -> str:
+    """What the result files' names add for ``--adapter``: nothing for full fine-tuning."""
+    return "" if args.adapter == "full" else f"_{args.adapter}"
 
 
 def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
@@ -863,6 +931,7 @@ def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) ->
             "label": RUNS[job.run],
             "model": job.model,
             "lora": job.lora,
+            "quantized": job.quantized,
             "longest_fits": max(fits, default=None),
             "shortest_fails": min(fails, default=None),
         }
@@ -891,6 +960,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max-steps", type=int, default=20, help="steady steps per run")
     add("--gradient-checkpointing", action="store_true", help="on in the throughput runs too")
     add("--profile", action="store_true", help="profile one more step after the steady ones")
+    add("--adapter", choices=ADAPTERS, default="full",
+        help="what trains: every parameter, a LoRA adapter, or one on the model in 4 bits "
+        "(default full; --longest: full, and lora at 8b)")  # fmt: skip
+    add("--reverse", action="store_true", help="make the runs in the reverse order")
     add("--skip-lora", action="store_true", help="--longest: leave out the 8b LoRA searches")
     add("--probe-steps", type=int, default=2, help="--longest: steps per probe")
     add("--max-probes", type=int, default=10, help="--longest: probes per search")
@@ -925,8 +998,8 @@ def make_jobs(args) -> list[Job]:
     jobs = []
     runs = sorted(args.runs, key=list(RUNS).index)
     for model in args.model:
-        lora = args.longest and model == "8b"
-        if lora and args.skip_lora:
+        lora = args.adapter != "full" or (args.longest and model == "8b")
+        if args.longest and model == "8b" and args.skip_lora:
             continue
         for run in runs:
             jobs.append(
@@ -940,10 +1013,13 @@ def make_jobs(args) -> list[Job]:
                     steps=args.probe_steps if args.longest else args.max_steps,
                     gradient_checkpointing=args.longest or args.gradient_checkpointing,
                     lora=lora,
+                    quantized=args.adapter == "qlora",
                     profile=args.profile and not args.longest,
                     pad_rows=args.longest or args.attention == "flex_attention",
                 )
             )
+    if args.reverse:
+        jobs.reverse()
     # Liger patches transformers' Llama module for the whole process: its runs come last
     return sorted(jobs, key=lambda job: job.run.endswith("_liger"))
 
@@ -986,6 +1062,7 @@ def main(argv=None) -> int:
         "environment": env,
         "models": {name: MODELS[name] for name in args.model},
         "attention": args.attention,
+        "adapter": args.adapter,
         "seconds": time.time() - start,
         **body,
     }
@@ -996,7 +1073,7 @@ def main(argv=None) -> int:
     else:
         result["warmup_steps"] = args.warmup
         result["gradient_checkpointing"] = args.gradient_checkpointing
-    models = "_".join(args.model)
+    models = "_".join(args.model) + adapter_suffix(args)
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"
     path = harness.write_json(out / f"{benchmark}_{models}{attention}_{slug}.json", result)
     report = (make_tables.trl_longest_report if args.longest else make_tables.trl_steps_report)(

@@ -535,6 +535,15 @@ def _model_text(result: dict) -> str:
     return "; ".join(parts)
 
 
+# What trains in a bench_trl.py result (its --adapter)
+ADAPTER_TEXT = {
+    "full": "every parameter trained",
+    "lora": "LoRA r=16 on every linear layer, base frozen",
+    "qlora": "QLoRA: LoRA r=16 on every linear layer of the base model in 4 bits (nf4, bf16 "
+    "compute)",
+}
+
+
 def trl_steps_report(result: dict) -> str:
     """The runs of one ``bench_trl.py`` throughput result: speed, memory, the objective check
     and, where profiled, the share of packed-ce's own kernels in a step."""
@@ -543,6 +552,8 @@ def trl_steps_report(result: dict) -> str:
     first = next(iter(done.values()), None)
     lines = [
         f"{env['device_name']} ({_versions(env)}). {_model_text(result)}; random init, "
+        + ADAPTER_TEXT[result.get("adapter", "full")]
+        + ", "
         f"{'bf16' if env['device_name'] != 'cpu' else 'fp32'}, {result['attention']}, "
         f"gradient checkpointing {'on' if result['gradient_checkpointing'] else 'off'}; trl "
         "packing=True (bfd), padding_free=True, one packed row per step"
@@ -735,7 +746,8 @@ def load_trl_results(results_dir: Path, benchmark: str) -> list[dict]:
             continue  # a run's own file, or tiny numbers that mean nothing
         runs = tuple(sorted(result.get("runs") or result.get("searches") or ()))
         device = result["environment"]["device_name"]
-        key = (device, tuple(result["models"]), result["attention"], runs)
+        adapter = result.get("adapter", "full")
+        key = (device, tuple(result["models"]), adapter, result["attention"], runs)
         if key not in newest or result["created"] > newest[key]["created"]:
             newest[key] = result
     return [newest[key] for key in sorted(newest)]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
 
+def script_env() -> dict:
+    """This environment with the repository and benchmarks/ first on the import path (what
+    was on it stays: packages installed there)."""
+    path = [str(ROOT), str(BENCHMARKS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
 def run_script(*args: str, device: str = "cpu") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    env = script_env()
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_trl.py"), "--model", "tiny", "--device", device,
@@ -91,6 +99,38 @@ def test_tiny_runs_time_both_trainers_and_check_their_objectives(tmp_path, bench
     assert "Whole trl steps" not in make_tables.readme_section(tmp_path)
     (tmp_path / "trl_steps_tiny_cpu.json").write_text(json.dumps(result | {"mode": "full"}))
     assert "### Whole trl steps, cpu" in make_tables.readme_section(tmp_path)
+
+
+@pytest.mark.slow  # about 30 s: two runs in subprocesses
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_tiny_adapter_runs_in_reverse_order(adapter, tmp_path, benchmarks_path):
+    """``--adapter lora`` / ``qlora`` (the model saved once and loaded back in 4 bits): both
+    trainers train only the adapter and pass their objective check; ``--reverse`` runs stock
+    first, and the result keeps the order of RUNS."""
+    if adapter == "qlora":
+        pytest.importorskip("bitsandbytes")
+    checkpoints = Path(tempfile.gettempdir()) / "packed_ce_bench_checkpoints"
+    done = run_script(
+        "--adapter", adapter, "--runs", "packed", "stock", "--reverse", "--warmup", "1",
+        "--max-steps", "2", "--isolate", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / f"trl_steps_tiny_{adapter}_cpu.json").read_text())
+    assert result["adapter"] == adapter and list(result["runs"]) == ["packed", "stock"]
+    assert done.stdout.index("stock: building") < done.stdout.index("packed: building")
+    for name, run in result["runs"].items():
+        assert (tmp_path / f"trl_steps_tiny_{adapter}_{name}_cpu.json").exists()
+        assert run["job"]["lora"] and run["job"]["quantized"] == (adapter == "qlora")
+        assert 0 < run["trainable_parameters"] < run["parameters"] / 2
+        check = run["check"]
+        assert check["passed"], check
+        # a 4-bit model computes in bf16 even on the CPU: the check's tolerance follows
+        assert check["tolerance"] == (2e-3 if adapter == "qlora" else 1e-4)
+    if adapter == "qlora":
+        assert (checkpoints / "tiny" / "config.json").exists()  # saved once, then reused
+    import make_tables
+
+    assert make_tables.ADAPTER_TEXT[adapter] in make_tables.trl_steps_report(result)
 
 
 @pytest.mark.slow
@@ -256,7 +296,7 @@ def test_without_cuda_the_gpu_run_refuses_in_one_line():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS)]))
+    env = script_env()
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "bench_trl.py")],
         capture_output=True, text=True, env=env, timeout=120, check=False,

@@ -1,0 +1,141 @@
+"""QLoRA: ``PackedSFTTrainer(peft_config=...)`` on a 4-bit base model (bitsandbytes nf4, bf16
+compute) trains on the per-conversation mean, through the fused head where the head is not
+quantized.
+
+The base model is a tiny Llama built from its config, saved and loaded back with a
+``BitsAndBytesConfig``, as ``from_pretrained(..., quantization_config=...)`` loads a released
+one: every linear layer of the decoder becomes a ``bnb.nn.Linear4bit``, the output embedding
+stays an ``nn.Linear`` in bf16. The reference runs the same quantized model and adapter, in the
+trainer's autocast, on each conversation alone and averages transformers' own loss over the
+conversations.
+
+Tolerance: ``BF16_RTOL`` = 5e-3, relative. Both sides compute in bf16 (8 significant bits, a
+rounding of 2**-9 = 2e-3 relative per value): a packed row and a conversation alone round their
+activations at different shapes (sdpa over one block-diagonal row or one short causal one), and
+the fused head accumulates its logits in float32 where the reference's head rounds them to bf16.
+The test also asserts that the token mean of the same step is more than ``SEPARATION`` times the
+tolerance away (weights of standard deviation 0.5 make the per-token losses uneven), so that a
+trainer on the wrong objective cannot pass.
+
+Runs on CPU where bitsandbytes is installed (its CPU kernels) and, marked ``cuda``, on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+bnb = pytest.importorskip("bitsandbytes")
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+Dataset = pytest.importorskip("datasets").Dataset
+
+from packed_ce.integrations import PackedSFTTrainer, fusable_reason, tiny_causal_lm  # noqa: E402
+
+from integration_utils import (  # noqa: E402
+    SFT_LENGTHS,
+    has_target,
+    one_at_a_time,
+    relative_error,
+    sft_args,
+    synthetic_conversations,
+    tiny_tokenizer,
+)
+
+VOCAB = 256
+BF16_RTOL = 5e-3
+SEPARATION = 3.0
+# hidden and intermediate sizes multiples of nf4's block of 64 values; initializer_range 0.5 (std
+# of every weight) spreads the per-token losses, so that the two means of a batch differ
+FIELDS = dict(hidden_size=128, intermediate_size=256, initializer_range=0.5)
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+
+def quantized_model(device: str, folder):
+    """The tiny Llama of ``FIELDS`` saved and loaded back in 4 bits (nf4, bf16 compute)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_causal_lm(VOCAB, **FIELDS).save_pretrained(folder)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    return AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=quantization, dtype=torch.bfloat16, device_map={"": device}
+    )
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    # init_lora_weights=False: B random too, so that the adapter changes the first step's loss
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
+                      init_lora_weights=False)  # fmt: skip
+
+
+def token_mean(model, conversations: list[dict]) -> torch.Tensor:
+    """The token mean over every target of ``conversations`` (each run alone): the objective the
+    packed trainer must not give."""
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for conversation in filter(has_target, conversations):
+        logits = model(input_ids=torch.tensor([conversation["input_ids"]], device=device)).logits
+        labels = torch.tensor(conversation["labels"][1:], device=device)
+        total += F.cross_entropy(logits[0, :-1].float(), labels, ignore_index=-100, reduction="sum")
+        count += int((labels != -100).sum())
+    return total / count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qlora_first_step_is_the_per_conversation_mean(device, tmp_path):
+    model = quantized_model(device, tmp_path / "base")
+    decoder_linear = model.model.layers[0].self_attn.q_proj
+    assert isinstance(decoder_linear, bnb.nn.Linear4bit), type(decoder_linear)
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    assert fusable_reason(model) is None  # the head is not quantized: the fused loss serves
+
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=5)
+    trainer = PackedSFTTrainer(
+        model=model,
+        args=sft_args(
+            tmp_path / "out", padding_free=True, max_length=None, bf16=True,
+            use_cpu=device == "cpu", per_device_train_batch_size=len(conversations) // 2,
+            gradient_accumulation_steps=2, optim="sgd",
+        ),  # fmt: skip
+        train_dataset=Dataset.from_list(conversations),
+        processing_class=tiny_tokenizer(VOCAB),
+        peft_config=lora_config(),
+    )
+    trained = trainer.model
+    assert trained.get_base_model()._packed_ce.fused_options is not None  # the fused head
+    adapter = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
+    assert adapter and all("lora_" in name for name in adapter)
+
+    with torch.no_grad(), trainer.accelerator.autocast():  # the trainer's bf16 autocast
+        expected = one_at_a_time(trained, conversations).float()
+        other = token_mean(trained, conversations)
+    trainer.train()
+    logged = torch.tensor(trainer.state.log_history[0]["loss"])
+
+    error = relative_error(logged, expected)
+    separation = relative_error(other, expected)
+    print(f"{device}: first-step loss {logged.item():.5f}, per-conversation mean "
+          f"{expected.item():.5f} (relative {error:.1e}), token mean {other.item():.5f} "
+          f"(relative {separation:.1e})")  # fmt: skip
+    assert error <= BF16_RTOL
+    assert separation > SEPARATION * BF16_RTOL  # the check tells the two objectives apart
+    # the step trained the adapter
+    moved = [n for n, p in trained.named_parameters() if p.requires_grad and not torch.equal(p, adapter[n])]
+    assert moved == list(adapter)
