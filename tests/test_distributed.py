@@ -37,6 +37,7 @@ from torch.utils.data import SequentialSampler
 
 from integration_utils import (
     SFT_LENGTHS,
+    SFT_LR,
     assert_gradients_close,
     free_port,
     gradients,
@@ -231,7 +232,7 @@ def sft_conversations() -> list[dict]:
     return synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)
 
 
-def sft_trainer(backend: str, out_dir: str, parallel: str, **kwargs):
+def sft_trainer(backend: str, out_dir: str, parallel: str, learning_rate=SFT_LR, **kwargs):
     """PackedSFTTrainer over the SFT data set, one optimiser step (``kwargs``: ``peft_config``)."""
     from datasets import Dataset
 
@@ -245,6 +246,7 @@ def sft_trainer(backend: str, out_dir: str, parallel: str, **kwargs):
         per_device_train_batch_size=SFT_BATCH,
         gradient_accumulation_steps=ACCUMULATION,
         optim="sgd",
+        learning_rate=learning_rate,
         use_cpu=backend == "gloo",
         ddp_backend=backend,
         ddp_find_unused_parameters=False,
@@ -270,6 +272,12 @@ def sft_steps(backend: str, out_dir: str, parallel: str) -> dict:
     return params
 
 
+# The LoRA step's learning rate: one SGD step is -lr * gradient however large, and the update of
+# a B matrix at SFT_LR is 4000 times smaller than the matrix, so that float32's rounding of
+# ``initial + update`` alone would be 2.4e-5 of the update
+LORA_LR = 10.0
+
+
 def lora_config():
     from peft import LoraConfig
 
@@ -281,7 +289,9 @@ def lora_config():
 def lora_steps(backend: str, out_dir: str, parallel: str) -> dict:
     """One optimiser step of PackedSFTTrainer with ``peft_config=``: the parameters before (as
     trl initialised the adapter) and after, by name of the PEFT model."""
-    trainer = sft_trainer(backend, out_dir, parallel, peft_config=lora_config())
+    trainer = sft_trainer(
+        backend, out_dir, parallel, learning_rate=LORA_LR, peft_config=lora_config()
+    )
     initial = {name: p.detach().cpu().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     params = full_parameters(trainer.model, parallel)
@@ -477,7 +487,7 @@ def test_packed_sft_trainer_lora_matches_one_process(backend, results):
     reference.load_state_dict(initial)
     trainable = [name for name, p in reference.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
-    per_conversation_sgd_step(reference, sft_conversations(), weights=SFT_WEIGHTS)
+    per_conversation_sgd_step(reference, sft_conversations(), lr=LORA_LR, weights=SFT_WEIGHTS)
     expected = {name: p.detach().cpu() - initial[name] for name, p in reference.named_parameters()}
     for run in runs:
         update = updates(run["final"], initial)
