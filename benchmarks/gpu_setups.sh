@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The set-ups that need GPUs, in one command on a machine with two CUDA GPUs (about 9 minutes on
+# two H100s), with trl, datasets, peft, bitsandbytes and deepspeed installed:
+#
+#   bash benchmarks/gpu_setups.sh DIR
+#
+# Writes into DIR one log per set-up, named <set-up>_<GPUs>gpu_<card>.log (the names
+# benchmarks/results/ keeps them under):
+#   qlora_1gpu_<card>.log          tests/test_qlora.py on one GPU: PackedSFTTrainer on a 4-bit base
+#   lora_fsdp2_2gpu_<card>.log     tests/test_distributed.py, LoRA under DDP and FSDP2 (and both
+#                                  trainers under FSDP2 again)
+#   zero3_2gpu_<card>.log          tests/test_distributed.py, both trainers under DeepSpeed ZeRO-3
+#   trl_steps_1b_qlora_<card>.log  bench_trl.py --adapter qlora, 1B, packed then stock, then reversed
+#   trl_steps_8b_qlora_<card>.log  the same at 8B (gradient checkpointing, fewer steps)
+# and the benchmarks' JSON and tables in DIR/trl_qlora_results.tgz. The tests run first, on both
+# GPUs; then the 1B benchmark on GPU 0 and the 8B one on GPU 1 at the same time. Every phase has
+# a time limit, so that the logs and the archive are written whatever happens.
+set -u
+out=${1:?usage: bash benchmarks/gpu_setups.sh DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
+card=${card:-gpu}
+work=$(mktemp -d)
+pytest=(python3 -m pytest -q -p no:cacheprovider -m cuda -s)
+
+# the QLoRA test on GPU 0 beside the two-GPU tests (tiny models: neither slows the other)
+CUDA_VISIBLE_DEVICES=0 timeout 200 "${pytest[@]}" tests/test_qlora.py \
+    >"$out/qlora_1gpu_$card.log" 2>&1 &
+timeout 120 "${pytest[@]}" tests/test_distributed.py -k "fsdp2 or lora" \
+    >"$out/lora_fsdp2_2gpu_$card.log" 2>&1
+timeout 120 "${pytest[@]}" tests/test_distributed.py -k zero3 >"$out/zero3_2gpu_$card.log" 2>&1
+wait
+
+# whole trl steps, packed against stock, in both orders (one invocation each)
+bench() {  # bench GPU LOG ARGS...: both orders of the runs, the second after the first
+    local gpu=$1 log=$2
+    shift 2
+    for order in "" --reverse; do
+        CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_trl.py --adapter qlora \
+            --runs packed stock $order --out "$work/${log}${order:+_reversed}" "$@"
+    done >"$out/$log.log" 2>&1
+}
+timeout 290 bash -c "$(declare -f bench); work=$work out=$out; \
+    bench 0 trl_steps_1b_qlora_$card --model 1b --seconds 120" &
+timeout 290 bash -c "$(declare -f bench); work=$work out=$out; \
+    bench 1 trl_steps_8b_qlora_$card --model 8b --gradient-checkpointing --warmup 2 \
+        --max-steps 6 --seconds 130" &
+wait
+tar -czf "$out/trl_qlora_results.tgz" -C "$work" .
+tail -n 3 "$out"/*.log
