@@ -18,7 +18,10 @@ ZeRO-3 can shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of
 conversations with a ``weight`` column, once training every parameter and once a LoRA adapter
 (``peft_config=``). Each set-up of several processes is one of ``PARALLEL``: plain DDP, FSDP2
 (GPUs only: accelerate falls back to DDP on CPU) and DeepSpeed ZeRO-3 (where ``deepspeed`` is
-installed; on CPU through its gloo backend).
+installed; on CPU through its gloo backend). Under ZeRO-3 the comparison would catch the ways
+DeepSpeed could change the step: a division by the accumulation steps on top of the loss's own
+normalisation (ACCUMULATION is 2), an average over the processes other than DDP's, a fused head
+reading a partitioned weight.
 """
 
 from __future__ import annotations
@@ -264,8 +267,15 @@ def sft_trainer(backend: str, out_dir: str, parallel: str, learning_rate=SFT_LR,
 
 
 def sft_steps(backend: str, out_dir: str, parallel: str) -> dict:
-    """One optimiser step of PackedSFTTrainer over the SFT data set; returns the parameters."""
+    """One optimiser step of PackedSFTTrainer over the SFT data set; returns the parameters.
+
+    The trainer's loss runs through the fused head, which reads ``lm_head.weight`` outside the
+    head's own forward: under ZeRO-3 that weight is a partition until DeepSpeed gathers it on
+    that read."""
+    from packed_ce.integrations.installation import installation_of
+
     trainer = sft_trainer(backend, out_dir, parallel)
+    assert installation_of(trainer.model).fused_options is not None
     trainer.train()
     params = full_parameters(trainer.model, parallel)
     release_deepspeed_config()

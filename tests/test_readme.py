@@ -43,6 +43,8 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
     code = BLOCKS[index]
     if "trl" in code:
         pytest.importorskip("trl")
+    if "BitsAndBytesConfig" in code:  # QLoRA: a 4-bit model needs bitsandbytes
+        pytest.importorskip("bitsandbytes")
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
 

@@ -9,7 +9,9 @@ micro-batches per process (gradient accumulation):
   loss function receives ``num_items_in_batch``), and the Trainer then leaves it alone for
   gradient accumulation because it is already normalised for the whole step;
 - with ``average_tokens_across_devices=True`` the Trainer multiplies it by ``W``, which cancels
-  the ``1 / W`` of the data-parallel gradient averaging.
+  the ``1 / W`` of the data-parallel gradient averaging (DDP's all-reduce, FSDP2's and DeepSpeed
+  ZeRO's reduce-scatter alike; under DeepSpeed the Trainer also turns off the engine's own
+  division by ``G``, ``scale_wrt_gas=False``).
 
 So the step's gradient is that of ``sum over all sequences of the global batch of their mean
 token loss / number of those sequences``: unpacked per-sequence averaging over the whole global
@@ -228,9 +230,9 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
     per-sequence average over the whole global batch; the ``seq_lengths`` column of packed rows
     (:func:`collators.pack_dataset`) is kept for the collator.
 
-    Supported: one process or data parallelism over processes (DDP or FSDP2, through ``torchrun``
-    or ``accelerate launch``) with any gradient accumulation. Not supported: ``nn.DataParallel``
-    (several GPUs in one process), tensor, context or sequence parallelism.
+    Supported: one process or data parallelism over processes (DDP, FSDP2 or DeepSpeed ZeRO-3,
+    through ``torchrun`` or ``accelerate launch``) with any gradient accumulation. Not supported:
+    ``nn.DataParallel`` (several GPUs in one process), tensor, context or sequence parallelism.
 
     Raises:
         ValueError: if the model has no packed loss, if the Trainer would not pass
