@@ -91,6 +91,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import statistics
 import subprocess
@@ -222,8 +223,10 @@ def build_model(model: str, attention: str, device: torch.device, quantized: boo
 
 def quantized_checkpoint(model: str, device: torch.device) -> Path:
     """The folder of ``model``'s random bf16 weights (the same as :func:`build_model`'s on
-    CUDA), saved on first use; later runs and processes load it again."""
-    folder = Path(tempfile.gettempdir()) / "packed_ce_bench_checkpoints" / model
+    CUDA), saved on first use; later runs and processes load it again. The folder is named
+    after the model's configuration too: a changed shape is never loaded from an old folder."""
+    shape = hashlib.sha256(json.dumps(MODELS[model], sort_keys=True).encode()).hexdigest()
+    folder = Path(tempfile.gettempdir()) / "packed_ce_bench_checkpoints" / f"{model}-{shape[:12]}"
     if (folder / "config.json").exists():
         return folder
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -232,8 +235,8 @@ def quantized_checkpoint(model: str, device: torch.device) -> Path:
     torch.manual_seed(0)
     with torch.device(device):
         weights = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    partial = folder.with_name(f"{model}.partial")
-    weights.save_pretrained(partial)  # config.json last: a folder with it is complete
+    partial = folder.with_name(f"{folder.name}.partial")
+    weights.save_pretrained(partial)  # then renamed: a folder under the final name is whole
     del weights
     partial.rename(folder)
     if device.type == "cuda":

@@ -33,7 +33,12 @@ timeout 120 "${pytest[@]}" tests/test_distributed.py -k "fsdp2 or lora" \
 timeout 120 "${pytest[@]}" tests/test_distributed.py -k zero3 >"$out/zero3_2gpu_$card.log" 2>&1
 wait
 
-# whole trl steps, packed against stock, in both orders (one invocation each)
+# whole trl steps, packed against stock, in both orders (one invocation each). The 4-bit runs
+# save the random bf16 weights once and load them back quantized: under /dev/shm where it can
+# hold the 8B model's 16 GB (a disk write of that size takes minutes on some machines)
+if [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -ge 40 ] 2>/dev/null; then
+    export TMPDIR=/dev/shm
+fi
 bench() {  # bench GPU LOG ARGS...: both orders of the runs, the second after the first
     local gpu=$1 log=$2
     shift 2

@@ -127,7 +127,7 @@ def test_tiny_adapter_runs_in_reverse_order(adapter, tmp_path, benchmarks_path):
         # a 4-bit model computes in bf16 even on the CPU: the check's tolerance follows
         assert check["tolerance"] == (2e-3 if adapter == "qlora" else 1e-4)
     if adapter == "qlora":
-        assert (checkpoints / "tiny" / "config.json").exists()  # saved once, then reused
+        assert list(checkpoints.glob("tiny-*/config.json"))  # saved once, then reused
     import make_tables
 
     assert make_tables.ADAPTER_TEXT[adapter] in make_tables.trl_steps_report(result)
