@@ -15,7 +15,11 @@ activations at different shapes (sdpa over one block-diagonal row or one short c
 the fused head accumulates its logits in float32 where the reference's head rounds them to bf16.
 The test also asserts that the token mean of the same step is more than ``SEPARATION`` times the
 tolerance away (weights of standard deviation 0.5 make the per-token losses uneven), so that a
-trainer on the wrong objective cannot pass.
+trainer on the wrong objective cannot pass. The adapter's gradients of the step (bf16
+parameters, as trl keeps a quantized model's adapter) are compared with the reference's within
+``BF16_GRAD_RTOL`` = 0.1 norm-wise: sums over every token in bf16 differ by about 1.5e-2 (CPU),
+and the check is there for a gradient path that is lost (an error of order 1), which the loss
+alone would not show.
 
 Runs on CPU where bitsandbytes is installed (its CPU kernels) and, marked ``cuda``, on a GPU.
 """
@@ -30,10 +34,13 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 Dataset = pytest.importorskip("datasets").Dataset
 
+from transformers import TrainerCallback  # noqa: E402
+
 from packed_ce.integrations import PackedSFTTrainer, fusable_reason, tiny_causal_lm  # noqa: E402
 
 from integration_utils import (  # noqa: E402
     SFT_LENGTHS,
+    assert_gradients_close,
     has_target,
     one_at_a_time,
     relative_error,
@@ -44,6 +51,7 @@ from integration_utils import (  # noqa: E402
 
 VOCAB = 256
 BF16_RTOL = 5e-3
+BF16_GRAD_RTOL = 0.1
 SEPARATION = 3.0
 # hidden and intermediate sizes multiples of nf4's block of 64 values; initializer_range 0.5 (std
 # of every weight) spreads the per-token losses, so that the two means of a batch differ
@@ -62,13 +70,16 @@ DEVICES = [
 ]
 
 
-def quantized_model(device: str, folder):
-    """The tiny Llama of ``FIELDS`` saved and loaded back in 4 bits (nf4, bf16 compute)."""
+def quantized_model(device: str, folder, quantized_head: bool = False):
+    """The tiny Llama of ``FIELDS`` saved and loaded back in 4 bits (nf4, bf16 compute); the
+    head too with ``quantized_head`` (bitsandbytes leaves it alone unless told otherwise)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     tiny_causal_lm(VOCAB, **FIELDS).save_pretrained(folder)
+    skip = {"llm_int8_skip_modules": []} if quantized_head else {}  # [] leaves out nothing
     quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+        **skip,
     )
     return AutoModelForCausalLM.from_pretrained(
         folder, quantization_config=quantization, dtype=torch.bfloat16, device_map={"": device}
@@ -81,6 +92,21 @@ def lora_config():
     # init_lora_weights=False: B random too, so that the adapter changes the first step's loss
     return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear",
                       init_lora_weights=False)  # fmt: skip
+
+
+class FirstStepGradients(TrainerCallback):
+    """The trainable parameters' gradients of the first optimiser step, as the optimiser gets
+    them (float32 copies)."""
+
+    grads: dict | None = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.grads is None:
+            self.grads = {
+                name: p.grad.detach().float().clone()
+                for name, p in model.named_parameters()
+                if p.requires_grad
+            }
 
 
 def token_mean(model, conversations: list[dict]) -> torch.Tensor:
@@ -98,13 +124,21 @@ def token_mean(model, conversations: list[dict]) -> torch.Tensor:
     return total / count
 
 
+@pytest.mark.parametrize("quantized_head", [False, True], ids=["bf16-head", "4bit-head"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_qlora_first_step_is_the_per_conversation_mean(device, tmp_path):
-    model = quantized_model(device, tmp_path / "base")
+def test_qlora_first_step_is_the_per_conversation_mean(device, quantized_head, tmp_path):
+    """The bf16 head is fused (``fusable_reason`` None); a 4-bit head is no ``nn.Linear``, so
+    the loss runs on the logits, with the same objective."""
+    model = quantized_model(device, tmp_path / "base", quantized_head)
     decoder_linear = model.model.layers[0].self_attn.q_proj
     assert isinstance(decoder_linear, bnb.nn.Linear4bit), type(decoder_linear)
-    assert type(model.get_output_embeddings()) is torch.nn.Linear
-    assert fusable_reason(model) is None  # the head is not quantized: the fused loss serves
+    head = model.get_output_embeddings()
+    if quantized_head:
+        assert isinstance(head, bnb.nn.Linear4bit)
+        assert "nn.Linear, got Linear4bit" in fusable_reason(model)
+    else:
+        assert type(head) is torch.nn.Linear
+        assert fusable_reason(model) is None  # the head is not quantized: the fused loss serves
 
     conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=5)
     trainer = PackedSFTTrainer(
@@ -119,23 +153,36 @@ def test_qlora_first_step_is_the_per_conversation_mean(device, tmp_path):
         peft_config=lora_config(),
     )
     trained = trainer.model
-    assert trained.get_base_model()._packed_ce.fused_options is not None  # the fused head
+    fused = trained.get_base_model()._packed_ce.fused_options is not None
+    assert fused == (not quantized_head)
     adapter = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
     assert adapter and all("lora_" in name for name in adapter)
 
-    with torch.no_grad(), trainer.accelerator.autocast():  # the trainer's bf16 autocast
-        expected = one_at_a_time(trained, conversations).float()
-        other = token_mean(trained, conversations)
+    # in training mode, as the trainer runs it (on a CPU, bitsandbytes repacks a 4-bit weight for
+    # its inference kernel on the first no-grad call in eval mode, which has no backward)
+    trained.train()
+    with trainer.accelerator.autocast():  # the trainer's bf16 autocast
+        expected = one_at_a_time(trained, conversations)
+        expected.backward()
+        with torch.no_grad():
+            other = token_mean(trained, conversations)
+    expected_grads = {n: p.grad.float() for n, p in trained.named_parameters() if p.requires_grad}
+    trained.zero_grad(set_to_none=True)
+    step_grads = FirstStepGradients()
+    trainer.add_callback(step_grads)
     trainer.train()
     logged = torch.tensor(trainer.state.log_history[0]["loss"])
 
-    error = relative_error(logged, expected)
-    separation = relative_error(other, expected)
-    print(f"{device}: first-step loss {logged.item():.5f}, per-conversation mean "
-          f"{expected.item():.5f} (relative {error:.1e}), token mean {other.item():.5f} "
-          f"(relative {separation:.1e})")  # fmt: skip
+    error = relative_error(logged, expected.float())
+    separation = relative_error(other, expected.float())
+    worst = max(relative_error(step_grads.grads[n], g) for n, g in expected_grads.items())
+    print(f"{device}, {'4-bit' if quantized_head else 'bf16'} head: first-step loss "
+          f"{logged.item():.5f}, per-conversation mean {expected.item():.5f} (relative "
+          f"{error:.1e}), token mean {other.item():.5f} (relative {separation:.1e}); worst "
+          f"adapter gradient {worst:.1e}")  # fmt: skip
     assert error <= BF16_RTOL
     assert separation > SEPARATION * BF16_RTOL  # the check tells the two objectives apart
+    assert_gradients_close(step_grads.grads, expected_grads, rtol=BF16_GRAD_RTOL)
     # the step trained the adapter
     moved = [n for n, p in trained.named_parameters() if p.requires_grad and not torch.equal(p, adapter[n])]
     assert moved == list(adapter)
