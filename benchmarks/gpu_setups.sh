@@ -14,7 +14,8 @@
 #   trl_steps_8b_qlora_<card>.log  the same at 8B (gradient checkpointing, fewer steps)
 # and the benchmarks' JSON and tables in DIR/trl_qlora_results.tgz. The tests run first, on both
 # GPUs; then the 1B benchmark on GPU 0 and the 8B one on GPU 1 at the same time. Every phase has
-# a time limit, so that the logs and the archive are written whatever happens.
+# a time limit (all of them together 9 minutes), so that the logs and the archive are written
+# whatever happens.
 set -u
 out=${1:?usage: bash benchmarks/gpu_setups.sh DIR}
 mkdir -p "$out"
@@ -23,6 +24,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
 card=${card:-gpu}
 work=$(mktemp -d)
+deadline=$(($(date +%s) + 540))  # the whole script, so that the logs are written in any case
 pytest=(python3 -m pytest -q -p no:cacheprovider -m cuda -s)
 
 # the QLoRA test on GPU 0 beside the two-GPU tests (tiny models: neither slows the other)
@@ -39,19 +41,24 @@ wait
 if [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1)" -ge 40 ] 2>/dev/null; then
     export TMPDIR=/dev/shm
 fi
-bench() {  # bench GPU LOG ARGS...: both orders of the runs, the second after the first
-    local gpu=$1 log=$2
-    shift 2
+bench() {  # bench GPU LOG RUN_SECONDS ARGS...: both orders, each invocation within the deadline
+    local gpu=$1 log=$2 run=$3 order left
+    shift 3
     for order in "" --reverse; do
-        CUDA_VISIBLE_DEVICES=$gpu python3 benchmarks/bench_trl.py --adapter qlora \
-            --runs packed stock $order --out "$work/${log}${order:+_reversed}" "$@"
+        left=$((deadline - $(date +%s)))
+        if [ $((left - run)) -lt 1 ]; then
+            echo "gpu_setups: no time left for the runs ${order:-in order}"
+            continue
+        fi
+        # no run starts later than one run's time (RUN_SECONDS) before the deadline
+        CUDA_VISIBLE_DEVICES=$gpu timeout "$left" python3 benchmarks/bench_trl.py \
+            --adapter qlora --runs packed stock $order --seconds $((left - run)) \
+            --out "$work/${log}${order:+_reversed}" "$@"
     done >"$out/$log.log" 2>&1
 }
-timeout 290 bash -c "$(declare -f bench); work=$work out=$out; \
-    bench 0 trl_steps_1b_qlora_$card --model 1b --seconds 120" &
-timeout 290 bash -c "$(declare -f bench); work=$work out=$out; \
-    bench 1 trl_steps_8b_qlora_$card --model 8b --gradient-checkpointing --warmup 2 \
-        --max-steps 6 --seconds 130" &
+bench 0 "trl_steps_1b_qlora_$card" 60 --model 1b &
+bench 1 "trl_steps_8b_qlora_$card" 110 --model 8b --gradient-checkpointing --warmup 2 \
+    --max-steps 6 &
 wait
 tar -czf "$out/trl_qlora_results.tgz" -C "$work" .
 tail -n 3 "$out"/*.log
