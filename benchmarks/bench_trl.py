@@ -79,9 +79,9 @@ On a GPU machine, from the repository root (trl, datasets, liger-kernel and peft
     PYTHONPATH=. python benchmarks/bench_trl.py --adapter qlora --runs packed stock  # + bitsandbytes
 
 Writes ``trl_steps_<model>_<device>.json`` (or ``trl_longest_...``; ``_lora`` or ``_qlora`` after
-the model with ``--adapter``) and one JSON per run (as soon as it ends) or search
-(``..._<run>_<device>.json``) under ``--out`` (default: a temporary folder); ``make_tables.py``
-renders them.
+the model with ``--adapter``, then ``_reversed`` with ``--reverse``) and one JSON per run (as
+soon as it ends) or search (``..._<run>_<device>.json``) under ``--out`` (default: a temporary
+folder); ``make_tables.py`` renders them.
 
 Dimensions: T tokens per row, V vocabulary, S sequences.
 """
@@ -888,15 +888,17 @@ def run_throughput(args, jobs: list[Job], deadline: float, out: Path, slug: str)
         runs[job.run] = run_worker(task, args.isolate)
         if "died" in runs[job.run]:
             runs[job.run] = {"error": runs[job.run]["died"]}
-        name = f"trl_steps_{job.model}{adapter_suffix(args)}_{job.run}_{slug}.json"
+        name = f"trl_steps_{job.model}{name_suffix(args)}_{job.run}_{slug}.json"
         harness.write_json(out / name, runs[job.run])
     # in the order of RUNS, whatever order they ran in
     return {"runs": {run: runs[run] for run in RUNS if run in runs}, "skipped_runs": skipped}
 
 
-def adapter_suffix(args) -> str:
-    """What the result files' names add for ``--adapter``: nothing for full fine-tuning."""
-    return "" if args.adapter == "full" else f"_{args.adapter}"
+def name_suffix(args) -> str:
+    """What the result files' names add after the model: ``_<adapter>`` for ``--adapter`` other
+    than full fine-tuning, ``_reversed`` for ``--reverse``."""
+    adapter = "" if args.adapter == "full" else f"_{args.adapter}"
+    return adapter + ("_reversed" if args.reverse else "")
 
 
 def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) -> dict:
@@ -1066,6 +1068,7 @@ def main(argv=None) -> int:
         "models": {name: MODELS[name] for name in args.model},
         "attention": args.attention,
         "adapter": args.adapter,
+        "order": [job.run for job in jobs],
         "seconds": time.time() - start,
         **body,
     }
@@ -1076,7 +1079,7 @@ def main(argv=None) -> int:
     else:
         result["warmup_steps"] = args.warmup
         result["gradient_checkpointing"] = args.gradient_checkpointing
-    models = "_".join(args.model) + adapter_suffix(args)
+    models = "_".join(args.model) + name_suffix(args)
     attention = "" if args.attention == "sdpa" else f"_{args.attention}"
     path = harness.write_json(out / f"{benchmark}_{models}{attention}_{slug}.json", result)
     report = (make_tables.trl_longest_report if args.longest else make_tables.trl_steps_report)(

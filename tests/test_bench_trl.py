@@ -115,11 +115,12 @@ def test_tiny_adapter_runs_in_reverse_order(adapter, tmp_path, benchmarks_path):
         "--max-steps", "2", "--isolate", "--out", str(tmp_path),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads((tmp_path / f"trl_steps_tiny_{adapter}_cpu.json").read_text())
+    result = json.loads((tmp_path / f"trl_steps_tiny_{adapter}_reversed_cpu.json").read_text())
     assert result["adapter"] == adapter and list(result["runs"]) == ["packed", "stock"]
+    assert result["order"] == ["stock", "packed"]
     assert done.stdout.index("stock: building") < done.stdout.index("packed: building")
     for name, run in result["runs"].items():
-        assert (tmp_path / f"trl_steps_tiny_{adapter}_{name}_cpu.json").exists()
+        assert (tmp_path / f"trl_steps_tiny_{adapter}_reversed_{name}_cpu.json").exists()
         assert run["job"]["lora"] and run["job"]["quantized"] == (adapter == "qlora")
         assert 0 < run["trainable_parameters"] < run["parameters"] / 2
         check = run["check"]

@@ -173,8 +173,9 @@ def test_qlora_first_step_is_the_per_conversation_mean(device, quantized_head, t
     trainer.train()
     logged = torch.tensor(trainer.state.log_history[0]["loss"])
 
-    error = relative_error(logged, expected.float())
-    separation = relative_error(other, expected.float())
+    expected, other = expected.detach().float().cpu(), other.cpu()
+    error = relative_error(logged, expected)
+    separation = relative_error(other, expected)
     worst = max(relative_error(step_grads.grads[n], g) for n, g in expected_grads.items())
     print(f"{device}, {'4-bit' if quantized_head else 'bf16'} head: first-step loss "
           f"{logged.item():.5f}, per-conversation mean {expected.item():.5f} (relative "
