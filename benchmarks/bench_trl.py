@@ -1068,6 +1068,7 @@ def main(argv=None) -> int:
         "models": {name: MODELS[name] for name in args.model},
         "attention": args.attention,
         "adapter": args.adapter,
+        "reverse": args.reverse,
         "order": [job.run for job in jobs],
         "seconds": time.time() - start,
         **body,

@@ -544,6 +544,9 @@ ADAPTER_TEXT = {
 }
 
 
+ADAPTER_HEADINGS = {"lora": "LoRA", "qlora": "QLoRA"}
+
+
 def trl_steps_report(result: dict) -> str:
     """The runs of one ``bench_trl.py`` throughput result: speed, memory, the objective check
     and, where profiled, the share of packed-ce's own kernels in a step."""
@@ -747,7 +750,8 @@ def load_trl_results(results_dir: Path, benchmark: str) -> list[dict]:
         runs = tuple(sorted(result.get("runs") or result.get("searches") or ()))
         device = result["environment"]["device_name"]
         adapter = result.get("adapter", "full")
-        key = (device, tuple(result["models"]), adapter, result["attention"], runs)
+        order = bool(result.get("reverse"))  # a run in both orders: both are kept
+        key = (device, tuple(result["models"]), adapter, order, result["attention"], runs)
         if key not in newest or result["created"] > newest[key]["created"]:
             newest[key] = result
     return [newest[key] for key in sorted(newest)]
@@ -778,7 +782,10 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
         parts += [f"### Whole SFT steps, {result['environment']['device_name']}"]
         parts.append(training_report(result))
     for result in load_trl_results(results_dir, "trl_steps"):
-        parts.append(f"### Whole trl steps, {result['environment']['device_name']}")
+        adapter = result.get("adapter", "full")
+        what = "" if adapter == "full" else f", {ADAPTER_HEADINGS[adapter]}"
+        what += ", in reverse order" if result.get("reverse") else ""
+        parts.append(f"### Whole trl steps{what}, {result['environment']['device_name']}")
         parts.append(trl_steps_report(result))
     longest: dict[str, list[dict]] = {}
     for result in load_trl_results(results_dir, "trl_longest"):

@@ -132,6 +132,11 @@ def test_tiny_adapter_runs_in_reverse_order(adapter, tmp_path, benchmarks_path):
     import make_tables
 
     assert make_tables.ADAPTER_TEXT[adapter] in make_tables.trl_steps_report(result)
+    # the README's section names the adapter and the order; a full run's heading stays as it was
+    path = tmp_path / f"trl_steps_tiny_{adapter}_reversed_cpu.json"
+    path.write_text(json.dumps(result | {"mode": "full"}))
+    heading = f"### Whole trl steps, {make_tables.ADAPTER_HEADINGS[adapter]}, in reverse order, cpu"
+    assert heading in make_tables.readme_section(tmp_path)
 
 
 @pytest.mark.slow
