@@ -52,6 +52,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         `dict` on the batch's device:
 
         - `input_ids` `(1, 2C)`, `position_ids` `(1, 2C)` int64: the local tokens and their global positions.
+        - `labels` `(1, 2C)`: the local tokens' own labels (aligned with `input_ids`); a model's loss reads
+          `shift_labels` when both are given, and needs `labels` to compute a loss at all.
         - `shift_labels` `(1, 2C)` int64: the target of each local token, `ignore_index` at the last token of
           every sequence (and on padding).
         - `cu_seqlens` `(S_local + 1,)` int32: boundaries of the local segments: a new segment starts at each
@@ -153,6 +155,7 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
     shard = {
         "input_ids": input_ids[:, local],
+        "labels": labels[:, local],
         "position_ids": position_ids[:, local],
         "shift_labels": shift_labels[local][None],
         "cu_seqlens": torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),

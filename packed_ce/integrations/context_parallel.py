@@ -1,0 +1,366 @@
+"""Context parallelism that keeps packed conversations apart: each rank attends over the whole row.
+
+:func:`collators.shard_batch` gives rank ``r`` of ``W`` chunks ``r`` and ``2W - 1 - r`` of a packed
+row of ``T`` tokens cut into ``2W`` chunks of ``C`` (zig-zag), with the conversations' global
+``position_ids``. The attention installed here gathers every rank's keys and values into the
+whole row ``(T = 2WC)`` in row order, and lets local query ``i`` (row token ``q(i)``) see row token
+``k`` iff both lie in the same conversation and ``k <= q(i)``. A conversation starts at token 0
+and wherever ``position_ids[t] != position_ids[t - 1] + 1`` (transformers' packed rule), so the
+mask is exactly the one a single process applies to the whole row, and each rank's hidden
+states are those of its tokens in the single-process forward.
+
+Gradients: the gathered keys and values of rank ``r'`` feed every rank's queries; the backward of
+the gather sums their gradients over ranks and hands each rank its own slice (a reduce-scatter),
+so the gradient of each rank's local loss share reaches every parameter that produced the row.
+Summed over ranks, the parameter gradients are those of the single-process loss.
+
+Two routes compute the same masked attention:
+
+- on CUDA, flex attention with a block mask built once per forward from the row's conversation
+  ids: memory grows with the local tokens times the row's key blocks, never ``L x T`` scores;
+- elsewhere (CPU, tests), :func:`torch.nn.functional.scaled_dot_product_attention` with the
+  dense ``(L, T)`` boolean mask of the same rule (:func:`conversation_mask`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .installation import base_model
+
+_names = itertools.count()
+
+
+@dataclass
+class _RowLayout:
+    """What every layer's attention needs about the row, computed once per forward.
+
+    Attributes:
+        local_positions: the ``(1, L)`` ``position_ids`` tensor of the forward (identity-checked
+            in the attention, so a stale layout is never used).
+        documents: ``(T,)`` int32 conversation id of each row token, in row order.
+        queries: ``(L,)`` int64 row index of each local token.
+        order: ``(T,)`` int64: row token ``t`` is entry ``order[t]`` of the rank-major gather.
+        block_mask: the flex-attention block mask (CUDA), or None.
+    """
+
+    local_positions: torch.Tensor
+    documents: torch.Tensor
+    queries: torch.Tensor
+    order: torch.Tensor
+    block_mask: object = None
+
+
+@dataclass
+class ContextParallel:
+    """What :func:`enable_context_parallel` installed on a model, to use and to undo.
+
+    Attributes:
+        group: the ranks sharing each row (None: the default group).
+        rank, world_size: this rank and the size of ``group``.
+        attention_name: the name registered with transformers' attention interface (None for a
+            group of one rank, where nothing is replaced).
+        previous_attention: the model's ``config._attn_implementation`` before.
+        hook: the decoder's forward pre-hook that lays out the row.
+    """
+
+    group: object
+    rank: int
+    world_size: int
+    attention_name: str | None = None
+    previous_attention: str | None = None
+    hook: object = None
+    layout: _RowLayout | None = field(default=None, repr=False)
+
+
+def conversation_mask(documents: torch.Tensor, queries: torch.Tensor):
+    """The mask rule ``(b, h, q, k) -> bool``: same conversation and not later.
+
+    Args:
+        documents: ``(T,)`` integer conversation id of each row token.
+        queries: ``(L,)`` int64 row index of each local query.
+
+    Works elementwise on broadcast index tensors, so one function serves flex attention's
+    ``mask_mod`` and the dense mask of the CPU route.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = queries[q_idx]
+        return (documents[row] == documents[kv_idx]) & (kv_idx <= row)
+
+    return mask_mod
+
+
+class _GatherRow(torch.autograd.Function):
+    """``x`` of every rank stacked on a new first dimension, ``(W, *x.shape)``; backward sums the
+    gradient of each rank's slice over the ranks (every rank's queries read it) and returns this
+    rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, world_size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.world_size = group, rank, world_size
+        x = x.contiguous()
+        out = x.new_empty((world_size, *x.shape))
+        dist.all_gather(list(out.unbind(0)), x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        if dist.get_backend(ctx.group) == "nccl":
+            own = grad.new_empty(grad.shape[1:])
+            dist.reduce_scatter_tensor(own, grad, group=ctx.group)
+        else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
+            dist.all_reduce(grad, group=ctx.group)
+            own = grad[ctx.rank]
+        return own, None, None, None  # no gradient for group, rank, world_size
+
+
+def _gather_row(x: torch.Tensor, state: ContextParallel, order: torch.Tensor, dim: int):
+    """The whole row of ``x`` (local tokens along ``dim``) from every rank, in row order."""
+    stacked = _GatherRow.apply(x, state.group, state.rank, state.world_size)  # (W, ..., L, ...)
+    rows = torch.cat(stacked.unbind(0), dim=dim)  # rank-major: rank 0's L tokens, then rank 1's
+    return rows.index_select(dim, order)
+
+
+def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayout:
+    """Gathers the row's ``position_ids`` and derives conversations, query rows and the order.
+
+    Args:
+        position_ids: ``(1, L)`` integer, this rank's tokens' positions from
+            :func:`collators.shard_batch` (``L = 2C``).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] % 2:
+        raise ValueError(
+            "context parallelism needs position_ids of shape (1, 2C) from collators.shard_batch, "
+            f"got shape {tuple(position_ids.shape)}"
+        )
+    world, rank = state.world_size, state.rank
+    local = position_ids.shape[1]
+    chunk = local // 2
+    device = position_ids.device
+    gathered = position_ids.new_empty((world, local))
+    dist.all_gather(list(gathered.unbind(0)), position_ids[0].contiguous(), group=state.group)
+    # rank r holds row chunks r and 2W-1-r: entry (r, half, i) of the gather is row token
+    # chunk(r, half) * C + i
+    chunk_of = torch.tensor(
+        [[r, 2 * world - 1 - r] for r in range(world)], device=device
+    )  # (W, 2)
+    row_index = (chunk_of[:, :, None] * chunk + torch.arange(chunk, device=device)).reshape(-1)
+    order = torch.empty_like(row_index)
+    order[row_index] = torch.arange(row_index.numel(), device=device)
+    positions = gathered.reshape(-1)[order]  # (T,) in row order
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    documents = starts.cumsum(0, dtype=torch.int32)
+    queries = row_index.reshape(world, local)[rank]
+    layout = _RowLayout(position_ids, documents, queries, order)
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        layout.block_mask = create_block_mask(
+            conversation_mask(documents, queries),
+            B=None,
+            H=None,
+            Q_LEN=local,
+            KV_LEN=positions.numel(),
+            device=device,
+            _compile=True,  # evaluated block by block: never the (L, T) dense mask
+        )
+    return layout
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention():
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # compiled once per process; eager flex attention materialises the (L, T) scores
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+def _make_attention(state: ContextParallel):
+    """The attention function registered for one model (transformers' attention interface)."""
+
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,  # (B=1, Hq, L, D)
+        key: torch.Tensor,  # (1, Hkv, L, D)
+        value: torch.Tensor,  # (1, Hkv, L, D)
+        attention_mask,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        layout = state.layout
+        if layout is None or kwargs.get("position_ids") is not layout.local_positions:
+            raise RuntimeError(
+                "context-parallel attention called outside the decoder's forward that laid out "
+                "the row: call the model (or its decoder) with the shard's position_ids"
+            )
+        keys = _gather_row(key, state, layout.order, dim=2)  # (1, Hkv, T, D)
+        values = _gather_row(value, state, layout.order, dim=2)
+        if layout.block_mask is not None:
+            out = _flex_attention()(
+                query, keys, values, block_mask=layout.block_mask, scale=scaling, enable_gqa=True
+            )
+        else:
+            groups = query.shape[1] // keys.shape[1]
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+            local, total = query.shape[2], keys.shape[2]
+            mask = conversation_mask(layout.documents, layout.queries)(
+                None,
+                None,
+                torch.arange(local, device=query.device)[:, None],
+                torch.arange(total, device=query.device)[None, :],
+            )  # (L, T) bool: each row has its own query token, so none is empty
+            out = F.scaled_dot_product_attention(
+                query,
+                keys,
+                values,
+                attn_mask=mask,
+                dropout_p=dropout if module.training else 0.0,
+                scale=scaling,
+            )
+        return out.transpose(1, 2).contiguous(), None  # (1, L, Hq, D), no weights
+
+    return attention
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why the attention of ``model`` cannot be made context parallel exactly, or None."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        return (
+            f"{name} does not compute attention through transformers' attention interface, so "
+            "context parallelism cannot replace it"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        other = ["sliding_attention"]
+    else:
+        other = []
+    if other:
+        return (
+            f"{name} has attention layers of type {other}: context parallelism keeps only "
+            "full causal attention within each conversation exact; use a model without sliding "
+            "windows (or set config.sliding_window = None if the conversations are shorter)"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        return (
+            f"{name} has config.attention_dropout={config.attention_dropout}: the context-parallel "
+            "attention has no dropout; set it to 0.0"
+        )
+    return None
+
+
+def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Makes each rank of ``group`` attend over the whole packed row, within each conversation.
+
+    After it, on every rank ``r`` of ``group`` (``W`` ranks),
+    ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss`` with
+    ``n = count_num_items(batch)`` of the whole batch is rank ``r``'s share of the loss of
+    ``model(**batch)`` on one process: the shares add up to it, and the parameter gradients summed
+    over the ranks equal its gradients (data-parallel wrappers average them: multiply the loss by
+    the number of processes, as :class:`PackedTrainer` does). Works with :func:`apply_packed_loss`
+    (logits or fused head), PEFT models and gradient checkpointing.
+
+    Args:
+        model: a transformers causal LM (or a PEFT model of one) whose attention goes through
+            transformers' attention interface, without sliding windows or attention dropout.
+        group: the process group whose ranks share each row (default: the world). A group of one
+            rank leaves the model as it is.
+
+    Returns:
+        ``model``, changed in place (:func:`disable_context_parallel` undoes it).
+
+    Raises:
+        ValueError: without an initialised process group, for a model whose attention cannot be
+            replaced exactly, or if context parallelism is already enabled on it.
+
+    A call on the sharded model must pass the shard's ``position_ids`` (they find the
+    conversations) and no ``attention_mask``: both are refused otherwise.
+    """
+    target = base_model(model)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "enable_context_parallel needs torch.distributed initialised: call "
+            "torch.distributed.init_process_group (torchrun sets up the environment)"
+        )
+    if getattr(target, "_packed_ce_context_parallel", None) is not None:
+        raise ValueError("context parallelism is already enabled on this model")
+    reason = _refusal(target)
+    if reason is not None:
+        raise ValueError(reason)
+    state = ContextParallel(
+        group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group)
+    )
+    if state.world_size > 1:
+        from transformers import AttentionInterface
+
+        state.attention_name = f"packed_ce_context_parallel_{next(_names)}"
+        state.previous_attention = target.config._attn_implementation
+        AttentionInterface.register(state.attention_name, _make_attention(state))
+        target.set_attn_implementation(state.attention_name)
+        state.hook = target.get_decoder().register_forward_pre_hook(
+            _lay_out_hook(state), with_kwargs=True
+        )
+    target._packed_ce_context_parallel = state
+    return model
+
+
+def _lay_out_hook(state: ContextParallel):
+    def hook(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "a context-parallel call takes no attention_mask: conversations are found from "
+                "position_ids (pass the batch of collators.shard_batch as it is)"
+            )
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError(
+                "a context-parallel call needs the position_ids of collators.shard_batch: they "
+                "find the conversations of the whole row"
+            )
+        state.layout = _layout_row(state, position_ids)
+
+    return hook
+
+
+def disable_context_parallel(model: nn.Module) -> nn.Module:
+    """Undoes :func:`enable_context_parallel`: the model's attention is its own again.
+
+    Raises:
+        ValueError: if context parallelism is not enabled on ``model``.
+    """
+    target = base_model(model)
+    state = getattr(target, "_packed_ce_context_parallel", None)
+    if state is None:
+        raise ValueError(f"context parallelism is not enabled on this {type(model).__name__}")
+    if state.attention_name is not None:
+        from transformers import AttentionInterface
+
+        target.set_attn_implementation(state.previous_attention)
+        state.hook.remove()
+        AttentionInterface._global_mapping.pop(state.attention_name, None)
+    del target._packed_ce_context_parallel
+    return model
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """What :func:`enable_context_parallel` installed on ``model`` (or the model it wraps)."""
+    return getattr(base_model(model), "_packed_ce_context_parallel", None)
