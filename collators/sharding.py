@@ -60,6 +60,7 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
           chunk's first token and at each sequence start inside a chunk.
         - `seq_targets` `(S_local,)` int32: each segment's conversation target count (>= 1).
         - `seq_weights` `(S_local,)` float32: each segment's conversation weight, when `batch` has them.
+        - `seq_sources` (list of `S_local`): each segment's conversation source, when `batch` has them.
 
     Example:
 
@@ -163,6 +164,11 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     }
     if "seq_weights" in per_sequence:
         shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float32)
+    sources = batch.get("seq_sources")
+    if sources is not None:
+        if len(sources) != num_sequences:
+            raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
+        shard["seq_sources"] = [sources[index] for index in sequence_of.tolist()]
     return shard
 
 

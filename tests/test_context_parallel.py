@@ -17,6 +17,7 @@ Run the same workers on two GPUs (NCCL, flex attention, float32 and bfloat16) wi
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -239,3 +240,118 @@ def _refusal_worker(rank: int, port: int, overrides: dict, message: str) -> None
             enable_context_parallel(model)
     finally:
         dist.destroy_process_group()
+
+
+# --- the trainers: accelerate's ParallelismConfig(cp_size=2) ------------------------------------
+
+TRAIN_LENGTHS = [20, 12, 18, 14, 25, 7, 16, 17]  # 129 tokens: the trainers pad the row to 132
+TRAIN_WEIGHTS = [1.0, 2.0, 0.5, 0.0, 3.0, 1.0, 1.5, 1.0]
+TRAIN_SOURCES = ["chat", "code", "chat", "code", "chat", "code", "chat", "code"]
+LR = 0.5
+
+
+def train_conversations() -> list[dict]:
+    conversations = synthetic_conversations(TRAIN_LENGTHS, VOCAB, seed=3)
+    return [
+        {**c, "weight": w, "source": s}
+        for c, w, s in zip(conversations, TRAIN_WEIGHTS, TRAIN_SOURCES)
+    ]
+
+
+def allow_cpu_processes(parallelism_config_class) -> None:
+    """Lifts one check of accelerate for this CPU test process: ``ParallelismConfig`` refuses
+    processes of distributed type MULTI_CPU (its mesh dimensions are meant for GPUs), though the
+    device mesh and the data sharding it sets up work on gloo. The check is run as for GPUs, so
+    the trainer's context-parallel path here is the one the ``cuda`` test runs unpatched."""
+    from accelerate import Accelerator
+
+    validate = parallelism_config_class._validate_accelerator
+
+    def as_on_gpus(self, accelerator):
+        with mock.patch.object(Accelerator, "multi_device", new_callable=mock.PropertyMock, return_value=True):
+            return validate(self, accelerator)
+
+    parallelism_config_class._validate_accelerator = as_on_gpus
+
+
+def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str) -> None:
+    """One optimiser step over every conversation, the row shared by two ranks."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    from accelerate import ParallelismConfig
+    from datasets import Dataset
+
+    allow_cpu_processes(ParallelismConfig)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        data = Dataset.from_list(train_conversations())
+        model = tiny_model("llama", VOCAB)
+        common = dict(
+            max_steps=1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
+            optim="sgd", per_device_train_batch_size=len(TRAIN_LENGTHS), logging_steps=1,
+            report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo",
+            dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
+            parallelism_config=ParallelismConfig(cp_size=WORLD),
+        )
+        if trainer_name == "PackedTrainer":
+            from transformers import TrainingArguments
+
+            from collators import PackedCollator
+            from packed_ce.integrations import PackedTrainer
+
+            apply_packed_loss(model)
+            trainer = PackedTrainer(
+                model=model, args=TrainingArguments(out_dir, **common), train_dataset=data,
+                data_collator=PackedCollator(),
+            )
+        else:
+            from integration_utils import sft_args, tiny_tokenizer
+            from packed_ce.integrations import PackedSFTTrainer
+
+            trainer = PackedSFTTrainer(
+                model=model, args=sft_args(out_dir, padding_free=True, max_length=None, **common),
+                train_dataset=data, processing_class=tiny_tokenizer(VOCAB),
+            )
+        trainer.train()
+        from packed_ce.integrations.context_parallel import context_parallel_of
+
+        assert context_parallel_of(trainer.model).world_size == WORLD
+        logs = trainer.state.log_history[0]
+        params = {name: p.detach().cpu() for name, p in trainer.model.named_parameters()}
+        torch.save({"params": params, "logs": logs}, os.path.join(out_dir, f"{trainer_name}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def reference_step() -> tuple[dict, dict]:
+    """One SGD step of every conversation alone, weighted; the per-source means before it."""
+    from integration_utils import one_at_a_time, per_conversation_sgd_step
+
+    model = tiny_model("llama", VOCAB)
+    conversations = train_conversations()
+    by_source = {}
+    for source in sorted(set(TRAIN_SOURCES)):
+        mine = [c for c in conversations if c["source"] == source]
+        by_source[f"loss/{source}"] = float(one_at_a_time(model, mine, [c["weight"] for c in mine]))
+    per_conversation_sgd_step(model, conversations, lr=LR, weights=TRAIN_WEIGHTS)
+    return {name: p.detach() for name, p in model.named_parameters()}, by_source
+
+
+@pytest.mark.parametrize("trainer_name", ["PackedTrainer", "PackedSFTTrainer"])
+def test_trainer_step_with_context_parallelism(tmp_path, trainer_name):
+    if trainer_name == "PackedSFTTrainer":
+        pytest.importorskip("trl")
+    mp.spawn(trainer_worker, args=(free_port(), str(tmp_path), trainer_name), nprocs=WORLD, join=True)
+    initial = {name: p.detach() for name, p in tiny_model("llama", VOCAB).named_parameters()}
+    expected, by_source = reference_step()
+    for rank in range(WORLD):
+        result = torch.load(tmp_path / f"{trainer_name}-rank{rank}.pt")
+        assert_gradients_close(
+            {k: result["params"][k] - initial[k] for k in initial},
+            {k: expected[k] - initial[k] for k in initial},
+        )
+        for key, value in by_source.items():
+            assert abs(result["logs"][key] - value) <= 1e-5 * abs(value), (key, result["logs"])

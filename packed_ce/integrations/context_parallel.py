@@ -25,6 +25,7 @@ Two routes compute the same masked attention:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -364,3 +365,65 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
 def context_parallel_of(model: nn.Module) -> ContextParallel | None:
     """What :func:`enable_context_parallel` installed on ``model`` (or the model it wraps)."""
     return getattr(base_model(model), "_packed_ce_context_parallel", None)
+
+
+def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = -100) -> dict:
+    """One context-parallel rank's share of a one-row batch from any packing collator.
+
+    The row is padded to a multiple of ``2 * world_size`` by a padding segment (no target, weight
+    0, no source), its boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` or the restarts
+    of ``position_ids`` (trl's padding-free batches), and :func:`collators.shard_batch` cuts it.
+    Keys the shard does not describe (``max_seqlen``, the varlen keywords) are left out: they
+    would describe the whole row.
+
+    Args:
+        batch: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the
+            boundaries, and optionally ``seq_targets``, ``seq_weights`` ``(S,)`` and
+            ``seq_sources`` (list of S).
+        rank, world_size: this rank within the context-parallel group, and its size.
+
+    Raises:
+        ValueError: for a batch of several rows (padded, not packed) or with an
+            ``attention_mask``: context parallelism needs the conversations in one row.
+    """
+    from collators import shard_batch
+
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
+        raise ValueError(
+            "context parallelism needs one packed row per batch (PackedCollator, or trl's "
+            f"padding_free=True), got input_ids of shape {tuple(input_ids.shape)}"
+            + (" and an attention_mask" if batch.get("attention_mask") is not None else "")
+        )
+    length = input_ids.shape[1]
+    device = input_ids.device
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        cu_seqlens = batch.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        positions = batch.get("position_ids")
+        if positions is None:
+            starts = torch.zeros(1, dtype=torch.int64, device=device)
+        else:
+            restart = torch.ones(length, dtype=torch.bool, device=device)
+            restart[1:] = positions[0, 1:] != positions[0, :-1] + 1
+            starts = restart.nonzero()[:, 0]
+        cu_seqlens = torch.cat((starts, starts.new_tensor([length])))
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    multiple = 2 * world_size
+    padding = -length % multiple
+    row = {"input_ids": input_ids, "labels": labels, "cu_seqlens": cu_seqlens}
+    for key in ("seq_targets", "seq_weights", "seq_sources"):
+        if batch.get(key) is not None:
+            row[key] = batch[key]
+    if padding:
+        row["input_ids"] = F.pad(input_ids, (0, padding), value=0)
+        row["labels"] = F.pad(labels, (0, padding), value=ignore_index)
+        row["cu_seqlens"] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
+        if "seq_targets" in row:
+            row["seq_targets"] = torch.cat((row["seq_targets"], row["seq_targets"].new_ones(1)))
+        if "seq_weights" in row:
+            row["seq_weights"] = torch.cat((row["seq_weights"], row["seq_weights"].new_zeros(1)))
+        if "seq_sources" in row:
+            row["seq_sources"] = list(row["seq_sources"]) + [None]
+    return shard_batch(row, rank, world_size, ignore_index=ignore_index)

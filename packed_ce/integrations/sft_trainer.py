@@ -60,6 +60,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     - A string ``source`` column: ``loss/<source>`` is logged beside ``loss``, the mean over that
       source's conversations in the logging window (weighted by ``weight``) of their mean token
       loss, gathered over processes, from the loss's own pass (training only).
+    - Context parallelism (``parallelism_config=ParallelismConfig(cp_size=K)`` with
+      ``padding_free=True``): the ``K`` ranks of a group share each batch's row, attention kept
+      within each conversation (:func:`enable_context_parallel`).
     - ``assistant_only_loss=True`` under a chat template without ``{% generation %}`` markers:
       the assistant turns and the tokens that end them are trained
       (:func:`collators.tokenize_conversation`).
@@ -72,8 +75,8 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         ValueError / TypeError, before any data is tokenised, for options that cannot give the
             per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
             ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
-            ``compute_loss_func``, ``packing_strategy="wrapped"``, context or sequence
-            parallelism, a bad ``weight`` or ``source`` value (naming its row); and those of
+            ``compute_loss_func``, ``packing_strategy="wrapped"``, sequence parallelism,
+            context parallelism without ``padding_free=True, packing=False``, a bad ``weight`` or ``source`` value (naming its row); and those of
             :class:`PackedTrainer`.
 
     Example:
@@ -201,8 +204,16 @@ def _refuse_inexact_options(args, compute_loss_func) -> None:
             "use packing_strategy='bfd' or 'bfd_split'"
         )
     parallelism = getattr(args, "parallelism_config", None)
-    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+    if parallelism is not None and parallelism.sp_enabled:
         raise ValueError(
-            "PackedSFTTrainer does not support context or sequence parallelism "
-            "(parallelism_config): a conversation cut across ranks needs its whole target count"
+            "PackedSFTTrainer does not support sequence parallelism (parallelism_config.sp_size): "
+            "use context parallelism (cp_size), which keeps packed conversations apart"
         )
+    if parallelism is not None and parallelism.cp_enabled:
+        if args.packing or args.eval_packing or not args.padding_free:
+            raise ValueError(
+                "PackedSFTTrainer with context parallelism (parallelism_config.cp_size > 1) needs "
+                "padding_free=True and packing=False (eval_packing=False): each batch's "
+                "conversations are laid into one row that the ranks share, conversations kept "
+                "apart (trl's pre-packed data sets are refused by trl itself under cp_size > 1)"
+            )

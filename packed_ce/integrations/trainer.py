@@ -19,6 +19,8 @@ batch. The Trainer's own count is the number of target tokens, right for ``is_pa
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -26,6 +28,7 @@ from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
 
 from ..pending import check_pending
 from .batch import count_num_items
+from .context_parallel import context_parallel_of, enable_context_parallel, shard_for_rank
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 
@@ -72,6 +75,7 @@ class PackedNormaliserMixin:
     """
 
     counts_packed_items = True
+    _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
 
@@ -100,9 +104,41 @@ class PackedNormaliserMixin:
                 "normalised over all processes"
             )
         refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
+        self._set_up_context_parallel()
         self.add_callback(CheckPendingValues)
         if not self._sources:
             self._sources = _sources_of(self.train_dataset, self.eval_dataset)
+
+    def _set_up_context_parallel(self) -> None:
+        """With ``parallelism_config=ParallelismConfig(cp_size=K)`` (accelerate's), the ``K`` ranks
+        of each context-parallel group share every packed row: :func:`enable_context_parallel`
+        on the group accelerate's device mesh names ``"cp"``; the other dimension is data
+        parallel."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is None or not config.cp_enabled:
+            return
+        if config.sp_enabled or config.tp_enabled:
+            raise ValueError(
+                f"{type(self).__name__}: context parallelism (cp_size) combines with data "
+                "parallelism only; set tp_size and sp_size to 1"
+            )
+        mesh = self.accelerator.torch_device_mesh["cp"]
+        if context_parallel_of(self.model) is None:
+            enable_context_parallel(self.model, group=mesh.get_group())
+        self._context_parallel = (mesh.get_local_rank(), config.cp_size)
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """This rank's shard of the micro-batch's packed row (:func:`shard_for_rank`), in place of
+        accelerate's ring attention, which is causal over the whole row and would let
+        conversations attend to each other. transformers' ``training_step`` calls it after
+        counting ``num_items_in_batch`` on the whole row."""
+        if self._context_parallel is None:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        rank, size = self._context_parallel
+        loss = packed_loss_of(self.model)
+        return contextlib.nullcontext, shard_for_rank(
+            inputs, rank, size, ignore_index=loss.ignore_index
+        )
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -203,6 +239,10 @@ class PackedNormaliserMixin:
         ).to(device)
         if self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
+        if self._context_parallel is not None:
+            # the ranks of a context-parallel group hold the same rows: each counted them once
+            size = self._context_parallel[1]
+            count = count / size if count.is_floating_point() else count // size
         return count
 
 
@@ -216,8 +256,11 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
     (:func:`collators.pack_dataset`) is kept for the collator.
 
     Supported: one process or data parallelism over processes (DDP or FSDP2, through ``torchrun``
-    or ``accelerate launch``) with any gradient accumulation. Not supported: ``nn.DataParallel``
-    (several GPUs in one process), tensor, context or sequence parallelism.
+    or ``accelerate launch``) with any gradient accumulation, and context parallelism
+    (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=K))``: the ``K`` ranks of
+    a group share each packed row, :func:`enable_context_parallel`; rows are padded to a multiple
+    of ``2 K``). Not supported: ``nn.DataParallel`` (several GPUs in one process), tensor or
+    sequence parallelism.
 
     Raises:
         ValueError: if the model has no packed loss, if the Trainer would not pass
