@@ -168,6 +168,8 @@ def gloo_results(tmp_path_factory):
 
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_shares_add_up_to_one_process(setup, gloo_results):
+    """Two gloo ranks, float32: the shares' sum within 1e-5 of one process's loss (itself the
+    per-conversation mean), the summed gradients within 1e-4 norm-wise of its gradients."""
     expected_loss, expected_grads = one_process(setup)
     assert_loss_close(gloo_results[setup]["loss"], expected_loss)
     assert_loss_close(expected_loss, per_conversation_mean(setup).detach())
@@ -274,7 +276,7 @@ def allow_cpu_processes(parallelism_config_class) -> None:
     parallelism_config_class._validate_accelerator = as_on_gpus
 
 
-def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str) -> None:
+def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str, backend: str = "gloo") -> None:
     """One optimiser step over every conversation, the row shared by two ranks."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
@@ -284,15 +286,19 @@ def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str) -> Non
     from accelerate import ParallelismConfig
     from datasets import Dataset
 
-    allow_cpu_processes(ParallelismConfig)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    on_gpus = backend == "nccl"
+    if on_gpus:
+        torch.cuda.set_device(rank)
+    else:
+        allow_cpu_processes(ParallelismConfig)
+    dist.init_process_group(backend, rank=rank, world_size=WORLD)
     try:
         data = Dataset.from_list(train_conversations())
         model = tiny_model("llama", VOCAB)
         common = dict(
             max_steps=1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
             optim="sgd", per_device_train_batch_size=len(TRAIN_LENGTHS), logging_steps=1,
-            report_to=[], save_strategy="no", use_cpu=True, ddp_backend="gloo",
+            report_to=[], save_strategy="no", use_cpu=not on_gpus, ddp_backend=backend, bf16=False,
             dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
             parallelism_config=ParallelismConfig(cp_size=WORLD),
         )
@@ -340,11 +346,23 @@ def reference_step() -> tuple[dict, dict]:
     return {name: p.detach() for name, p in model.named_parameters()}, by_source
 
 
+TWO_GPUS = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=TWO_GPUS)])
 @pytest.mark.parametrize("trainer_name", ["PackedTrainer", "PackedSFTTrainer"])
-def test_trainer_step_with_context_parallelism(tmp_path, trainer_name):
+def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend):
+    """One SGD step of either trainer with ``ParallelismConfig(cp_size=2)`` equals one process
+    stepping on every conversation alone (float32: the parameters move by at most 1e-4 norm-wise
+    apart), and the logged ``loss/<source>`` are the per-source means (1e-5 relative)."""
     if trainer_name == "PackedSFTTrainer":
         pytest.importorskip("trl")
-    mp.spawn(trainer_worker, args=(free_port(), str(tmp_path), trainer_name), nprocs=WORLD, join=True)
+    mp.spawn(
+        trainer_worker, args=(free_port(), str(tmp_path), trainer_name, backend), nprocs=WORLD, join=True
+    )
     initial = {name: p.detach() for name, p in tiny_model("llama", VOCAB).named_parameters()}
     expected, by_source = reference_step()
     for rank in range(WORLD):
@@ -355,3 +373,30 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name):
         )
         for key, value in by_source.items():
             assert abs(result["logs"][key] - value) <= 1e-5 * abs(value), (key, result["logs"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_two_gpus_float32_and_bfloat16(tmp_path):
+    """On two GPUs (NCCL, flex attention): float32 shares within the CPU tolerances of one GPU's
+    float32 loss; bfloat16 no farther from that float32 reference than one GPU's own bfloat16
+    run, up to a factor of 2 plus 1e-3 (bfloat16 rounds each sum to 8 bits: the bound is what
+    one process already loses, not a fixed number)."""
+    setups = list(SETUPS)
+    fp32 = run_ranks(tmp_path / "fp32", "nccl", setups, "float32")
+    bf16 = run_ranks(tmp_path / "bf16", "nccl", setups, "bfloat16")
+    for setup in setups:
+        loss32, grads32 = one_process(setup, "cuda")
+        loss16, grads16 = one_process(setup, "cuda", torch.bfloat16)
+        assert_loss_close(fp32[setup]["loss"], loss32)
+        assert_gradients_close(fp32[setup]["grads"], grads32)
+        from integration_utils import relative_error
+
+        one_loss = relative_error(loss16, loss32)
+        cp_loss = relative_error(bf16[setup]["loss"], loss32)
+        one_grad = max(relative_error(grads16[k], grads32[k]) for k in grads32 if grads32[k].norm() > 0)
+        cp_grad = max(relative_error(bf16[setup]["grads"][k], grads32[k]) for k in grads32 if grads32[k].norm() > 0)
+        print(f"{setup}: bf16 loss error one GPU {one_loss:.2e}, two GPUs {cp_loss:.2e}; "
+              f"worst gradient error one GPU {one_grad:.2e}, two GPUs {cp_grad:.2e}")
+        assert cp_loss <= 2 * one_loss + 1e-3
+        assert cp_grad <= 2 * one_grad + 1e-3
