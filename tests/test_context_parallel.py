@@ -302,6 +302,13 @@ def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str, backen
             dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
             parallelism_config=ParallelismConfig(cp_size=WORLD),
         )
+        if on_gpus:
+            # accelerate's context parallelism on GPUs needs FSDP2 (it shards the model over the
+            # data- and context-parallel ranks)
+            common.update(
+                fsdp="full_shard auto_wrap",
+                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            )
         if trainer_name == "PackedTrainer":
             from transformers import TrainingArguments
 
@@ -326,7 +333,10 @@ def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str, backen
 
         assert context_parallel_of(trainer.model).world_size == WORLD
         logs = trainer.state.log_history[0]
-        params = {name: p.detach().cpu() for name, p in trainer.model.named_parameters()}
+        params = {  # FSDP2 holds each rank's shard as a DTensor
+            name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for name, p in trainer.model.named_parameters()
+        }
         torch.save({"params": params, "logs": logs}, os.path.join(out_dir, f"{trainer_name}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -383,6 +393,8 @@ def test_two_gpus_float32_and_bfloat16(tmp_path):
     run, up to a factor of 2 plus 1e-3 (bfloat16 rounds each sum to 8 bits: the bound is what
     one process already loses, not a fixed number)."""
     setups = list(SETUPS)
+    (tmp_path / "fp32").mkdir()
+    (tmp_path / "bf16").mkdir()
     fp32 = run_ranks(tmp_path / "fp32", "nccl", setups, "float32")
     bf16 = run_ranks(tmp_path / "bf16", "nccl", setups, "bfloat16")
     for setup in setups:
