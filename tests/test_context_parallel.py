@@ -56,8 +56,9 @@ SETUPS = {
 }
 
 
-def packed_batch() -> dict:
-    conversations = synthetic_conversations(LENGTHS, VOCAB, seed=7)
+def packed_batch(scale: int = 1) -> dict:
+    """The row of LENGTHS (each length times ``scale``), padded to ROW * scale tokens."""
+    conversations = synthetic_conversations([n * scale for n in LENGTHS], VOCAB, seed=7)
     # the last two are the pieces of one split conversation: its targets count once for both
     pieces = conversations[-2:]
     whole = sum(sum(label != -100 for label in c["labels"][1:]) for c in pieces)
@@ -67,7 +68,7 @@ def packed_batch() -> dict:
         if index >= len(conversations) - 2:
             example["seq_targets"] = [max(whole, 1)]
         examples.append(example)
-    return PackedCollator(pad_to_multiple_of=ROW)(examples)
+    return PackedCollator(pad_to_multiple_of=ROW * scale)(examples)
 
 
 def build_model(setup: str, device: str = "cpu", dtype=torch.float32):
@@ -91,7 +92,9 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def worker(rank: int, port: int, backend: str, out_dir: str, setups: list, dtype_name: str) -> None:
+def worker(
+    rank: int, port: int, backend: str, out_dir: str, setups: list, dtype_name: str, scale: int = 1
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -103,7 +106,7 @@ def worker(rank: int, port: int, backend: str, out_dir: str, setups: list, dtype
     dist.init_process_group(backend, rank=rank, world_size=WORLD)
     dtype = getattr(torch, dtype_name)
     try:
-        batch = to_device(packed_batch(), device)
+        batch = to_device(packed_batch(scale), device)
         num_items = count_num_items(batch, all_reduce=False)  # every rank holds the whole batch
         shard = shard_batch(batch, rank, WORLD)
         for setup in setups:
@@ -121,8 +124,10 @@ def worker(rank: int, port: int, backend: str, out_dir: str, setups: list, dtype
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, backend: str, setups: list, dtype_name: str = "float32") -> dict:
-    mp.spawn(worker, args=(free_port(), backend, str(tmp_path), setups, dtype_name), nprocs=WORLD, join=True)
+def run_ranks(tmp_path, backend: str, setups: list, dtype_name: str = "float32", scale: int = 1) -> dict:
+    mp.spawn(
+        worker, args=(free_port(), backend, str(tmp_path), setups, dtype_name, scale), nprocs=WORLD, join=True
+    )
     results = {}
     for setup in setups:
         ranks = [torch.load(tmp_path / f"{setup}-rank{rank}.pt") for rank in range(WORLD)]
@@ -133,9 +138,9 @@ def run_ranks(tmp_path, backend: str, setups: list, dtype_name: str = "float32")
     return results
 
 
-def one_process(setup: str, device="cpu", dtype=torch.float32) -> tuple[torch.Tensor, dict]:
+def one_process(setup: str, device="cpu", dtype=torch.float32, scale: int = 1) -> tuple[torch.Tensor, dict]:
     model = build_model(setup, device, dtype)
-    batch = to_device(packed_batch(), device)
+    batch = to_device(packed_batch(scale), device)
     loss = model(**batch).loss
     loss.backward()
     return loss.detach().float().cpu(), {k: v.float().cpu() for k, v in gradients(model).items()}
@@ -387,19 +392,21 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_two_gpus_float32_and_bfloat16(tmp_path):
-    """On two GPUs (NCCL, flex attention): float32 shares within the CPU tolerances of one GPU's
+@pytest.mark.parametrize("scale", [1, 64], ids=["dense-mask", "flex-attention"])
+def test_two_gpus_float32_and_bfloat16(tmp_path, scale):
+    """On two GPUs (NCCL; rows of 96 tokens take the dense mask, rows of 6144 flex attention):
+    float32 shares within the CPU tolerances of one GPU's
     float32 loss; bfloat16 no farther from that float32 reference than one GPU's own bfloat16
     run, up to a factor of 2 plus 1e-3 (bfloat16 rounds each sum to 8 bits: the bound is what
     one process already loses, not a fixed number)."""
     setups = list(SETUPS)
     (tmp_path / "fp32").mkdir()
     (tmp_path / "bf16").mkdir()
-    fp32 = run_ranks(tmp_path / "fp32", "nccl", setups, "float32")
-    bf16 = run_ranks(tmp_path / "bf16", "nccl", setups, "bfloat16")
+    fp32 = run_ranks(tmp_path / "fp32", "nccl", setups, "float32", scale)
+    bf16 = run_ranks(tmp_path / "bf16", "nccl", setups, "bfloat16", scale)
     for setup in setups:
-        loss32, grads32 = one_process(setup, "cuda")
-        loss16, grads16 = one_process(setup, "cuda", torch.bfloat16)
+        loss32, grads32 = one_process(setup, "cuda", scale=scale)
+        loss16, grads16 = one_process(setup, "cuda", torch.bfloat16, scale)
         assert_loss_close(fp32[setup]["loss"], loss32)
         assert_gradients_close(fp32[setup]["grads"], grads32)
         from integration_utils import relative_error

@@ -16,10 +16,11 @@ Summed over ranks, the parameter gradients are those of the single-process loss.
 
 Two routes compute the same masked attention:
 
-- on CUDA, flex attention with a block mask built once per forward from the row's conversation
-  ids: memory grows with the local tokens times the row's key blocks, never ``L x T`` scores;
-- elsewhere (CPU, tests), :func:`torch.nn.functional.scaled_dot_product_attention` with the
-  dense ``(L, T)`` boolean mask of the same rule (:func:`conversation_mask`).
+- on CUDA, for rows of more than ``DENSE_MASK_ELEMENTS`` (query, key) pairs, flex attention with
+  a block mask built once per forward from the row's conversation ids: memory grows with the
+  local tokens times the row's key blocks, never ``L x T`` scores;
+- otherwise (CPU, short rows), :func:`torch.nn.functional.scaled_dot_product_attention` with
+  the dense ``(L, T)`` boolean mask of the same rule (:func:`conversation_mask`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from torch import nn
 from .installation import base_model
 
 _names = itertools.count()
+# Up to this many (query, key) pairs the dense boolean mask (16 MiB) is cheaper than building a
+# block mask; flex attention's kernels for fewer than 128 queries (its decoding kernels) also
+# fail to compile for some shapes (float32, grouped heads: "No choices to select").
+DENSE_MASK_ELEMENTS = 2**24
 
 
 @dataclass
@@ -99,37 +104,46 @@ def conversation_mask(documents: torch.Tensor, queries: torch.Tensor):
 
 
 class _GatherRow(torch.autograd.Function):
-    """``x`` of every rank stacked on a new first dimension, ``(W, *x.shape)``; backward sums the
-    gradient of each rank's slice over the ranks (every rank's queries read it) and returns this
-    rank's slice."""
+    """The tokens of every rank in row order: ``x`` ``(L, H, D)`` of each rank -> ``(T, H, D)``.
+
+    Forward: one all-gather into a ``(W * L, H, D)`` buffer (rank-major), then one copy into row
+    order. Backward: the row gradient is put back in rank-major order and reduce-scattered (each
+    rank's keys and values are read by every rank's queries: their gradients are summed over the
+    ranks, and each rank keeps its own slice).
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group, rank: int, world_size: int) -> torch.Tensor:
-        ctx.group, ctx.rank, ctx.world_size = group, rank, world_size
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, state: "ContextParallel") -> torch.Tensor:
+        ctx.state = state
+        ctx.save_for_backward(order)
         x = x.contiguous()
-        out = x.new_empty((world_size, *x.shape))
-        dist.all_gather(list(out.unbind(0)), x, group=group)
-        return out
+        gathered = x.new_empty((state.world_size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x, group=state.group)
+        return gathered.index_select(0, order)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        if dist.get_backend(ctx.group) == "nccl":
-            own = grad.new_empty(grad.shape[1:])
-            dist.reduce_scatter_tensor(own, grad, group=ctx.group)
+        (order,) = ctx.saved_tensors
+        state = ctx.state
+        ranked = torch.zeros_like(grad).index_copy_(0, order, grad)  # row order -> rank-major
+        local = grad.shape[0] // state.world_size
+        if dist.get_backend(state.group) == "nccl":
+            own = grad.new_empty((local, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(own, ranked, group=state.group)
         else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
-            dist.all_reduce(grad, group=ctx.group)
-            own = grad[ctx.rank]
-        return own, None, None, None  # no gradient for group, rank, world_size
+            dist.all_reduce(ranked, group=state.group)
+            own = ranked[state.rank * local : (state.rank + 1) * local]
+        return own, None, None  # no gradient for the order or the state
 
 
-def _gather_row(x: torch.Tensor, state: ContextParallel, order: torch.Tensor, dim: int):
-    """The whole row of ``x`` (local tokens along ``dim``) from every rank, in row order."""
-    stacked = _GatherRow.apply(x, state.group, state.rank, state.world_size)  # (W, ..., L, ...)
-    rows = torch.cat(stacked.unbind(0), dim=dim)  # rank-major: rank 0's L tokens, then rank 1's
-    return rows.index_select(dim, order)
+def _gather_row(x: torch.Tensor, state: ContextParallel, order: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(1, H, L, D)`` of every rank as the whole row ``(1, H, T, D)``, in row order.
 
-
+    transformers' projections lay keys out as ``(1, L, H, D)`` transposed, so the token-major
+    view gathered here needs no copy.
+    """
+    rows = _GatherRow.apply(x[0].transpose(0, 1), order, state)  # (T, H, D)
+    return rows.transpose(0, 1)[None]
 def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayout:
     """Gathers the row's ``position_ids`` and derives conversations, query rows and the order.
 
@@ -162,7 +176,7 @@ def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayou
     documents = starts.cumsum(0, dtype=torch.int32)
     queries = row_index.reshape(world, local)[rank]
     layout = _RowLayout(position_ids, documents, queries, order)
-    if device.type == "cuda":
+    if device.type == "cuda" and local * positions.numel() > DENSE_MASK_ELEMENTS:
         from torch.nn.attention.flex_attention import create_block_mask
 
         layout.block_mask = create_block_mask(
@@ -209,8 +223,8 @@ def _make_attention(state: ContextParallel):
                 "context-parallel attention called outside the decoder's forward that laid out "
                 "the row: call the model (or its decoder) with the shard's position_ids"
             )
-        keys = _gather_row(key, state, layout.order, dim=2)  # (1, Hkv, T, D)
-        values = _gather_row(value, state, layout.order, dim=2)
+        keys = _gather_row(key, state, layout.order)  # (1, Hkv, T, D)
+        values = _gather_row(value, state, layout.order)
         if layout.block_mask is not None:
             out = _flex_attention()(
                 query, keys, values, block_mask=layout.block_mask, scale=scaling, enable_gqa=True
