@@ -19,9 +19,9 @@ import numpy as np
 from .checks import check_tokens, targets_per_sequence
 
 # Tokens checked at once: the scan's temporaries (a few bytes per token) stay in the tens of MB.
-BLOCK_TOKENS = 1 << 22
-# Tokens of the packed rows gathered and written at once (~64 MB of int32 input_ids and labels).
-BATCH_TOKENS = 1 << 23
+BLOCK_TOKENS = 1 << 21
+# Tokens of the packed rows gathered and written at once (~16 MB of int32 input_ids and labels).
+BATCH_TOKENS = 1 << 21
 # The plan's columns that locate each piece in the input, dropped from the written rows.
 _PIECE_COLUMNS = ("_conversation", "_offset")
 _NO_TOKENS = np.zeros(0, dtype=np.int64)

@@ -404,7 +404,7 @@ def _carried_columns(schema) -> dict[str, str]:
                 f"cannot carry it (they hold one value per sequence): remove it with "
                 f"dataset.remove_columns({name!r}) or reduce it to one value per conversation."
             )
-        if row_name in _ROW_COLUMNS:
+        if row_name in _ROW_COLUMNS and name != SOURCE_COLUMN:
             raise ValueError(
                 f"`dataset` column {name!r} would be carried to the rows as {row_name!r}, a column packing "
                 "writes itself: rename it."
