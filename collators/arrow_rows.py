@@ -173,10 +173,13 @@ def write_rows(dataset, plan, *, fingerprint: str | None, max_length: int, ignor
         enabled = datasets.is_caching_enabled()
         folder = os.path.dirname(dataset.cache_files[0]["filename"]) if enabled else None
         cache_file_name = os.path.join(folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow")
+    fill = _FillRows(dataset, ignore_index)
+    if plan.num_rows == 0:  # `map` would call nothing and return no column
+        return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
     rows = datasets.Dataset(datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint())
     batch_size = max(1, BATCH_TOKENS // max_length)
     return rows.with_format("arrow").map(
-        _FillRows(dataset, ignore_index),
+        fill,
         batched=True,
         batch_size=batch_size,
         writer_batch_size=batch_size,
