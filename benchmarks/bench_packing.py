@@ -66,10 +66,8 @@ def make_data(path: Path, num_tokens: int, seed: int = 0) -> dict:
             position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)
             labels = np.where(position < np.repeat(lengths // 5, lengths), -100, tokens).astype(np.int32)
             bounds = pa.array(offsets.astype(np.int32))
-            writer.write_batch(pa.record_batch(
-                [pa.ListArray.from_arrays(bounds, pa.array(tokens)), pa.ListArray.from_arrays(bounds, pa.array(labels))],
-                schema=schema,
-            ))
+            columns = [pa.ListArray.from_arrays(bounds, pa.array(values)) for values in (tokens, labels)]
+            writer.write_batch(pa.record_batch(columns, schema=schema))
             written += int(offsets[-1])
             conversations += len(lengths)
     os.replace(tmp, path)
@@ -185,7 +183,8 @@ def plot(path: Path, results: dict) -> None:
         left.plot(tokens, [s["runs"][packer]["seconds"] for s in sizes], "o-", label=packer)
         right.plot(tokens, [s["runs"][packer]["peak_anon_gib"] for s in sizes], "o-", label=packer)
     left.set(xlabel="tokens (millions)", ylabel="seconds", title="time to pack")
-    right.set(xlabel="tokens (millions)", ylabel="GiB above the process at rest", title="peak anonymous memory")
+    right.set(xlabel="tokens (millions)", ylabel="GiB above the process at rest", title="peak anonymous memory",
+              ylim=(0, None))
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()

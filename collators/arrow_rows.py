@@ -22,8 +22,8 @@ from .checks import check_tokens, targets_per_sequence
 BLOCK_TOKENS = 1 << 21
 # Tokens of the packed rows gathered and written at once (~16 MB of int32 input_ids and labels).
 BATCH_TOKENS = 1 << 21
-# The plan's columns that locate each piece in the input, dropped from the written rows.
-_PIECE_COLUMNS = ("_conversation", "_offset")
+# The plan's columns that locate each piece (its conversation, its first token there), not written to the rows.
+PIECE_COLUMNS = ("_conversation", "_offset")
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
@@ -120,10 +120,10 @@ class _FillRows:
     memory-mapped file.
     """
 
-    def __init__(self, dataset, ignore_index: int):
+    def __init__(self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None):
         self.dataset = dataset
         self.ignore_index = ignore_index
-        self.columns = None
+        self.columns = columns  # (input_ids, labels) of `dataset`, built when None
 
     def __getstate__(self):
         return {"dataset": self.dataset, "ignore_index": self.ignore_index, "columns": None}
@@ -137,7 +137,7 @@ class _FillRows:
             self.columns = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
         pieces = batch.column("seq_lengths").combine_chunks()
         length = pc.list_flatten(pieces).to_numpy().astype(np.int64)
-        source, offset = (pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in _PIECE_COLUMNS)
+        source, offset = (pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in PIECE_COLUMNS)
         input_ids, labels = (column.gather(source, offset, length) for column in self.columns)
         # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
         labels[(np.cumsum(length) - length)[offset > 0]] = self.ignore_index
@@ -145,17 +145,18 @@ class _FillRows:
         token_bounds = np.concatenate(([0], np.cumsum(length)))[np.concatenate(([0], np.cumsum(per_row)))]
         columns = {"input_ids": list_array(token_bounds, pa.array(input_ids)),
                    "labels": list_array(token_bounds, pa.array(labels))}
-        columns.update((n, batch.column(n)) for n in batch.column_names if n not in _PIECE_COLUMNS)
+        columns.update((n, batch.column(n)) for n in batch.column_names if n not in PIECE_COLUMNS)
         return pa.table(columns)
 
 
-def write_rows(dataset, plan, *, fingerprint: str | None, max_length: int, ignore_index: int,
-               cache_file_name: str | None, num_proc: int | None, load_from_cache_file: bool | None):
+def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, fingerprint: str | None, max_length: int,
+               ignore_index: int, cache_file_name: str | None, num_proc: int | None, load_from_cache_file: bool | None):
     """The packed rows: `plan`'s rows (`_conversation`, `_offset`, `seq_lengths`, then the columns carried to
     them) with `input_ids` and `labels` filled in from `dataset`, written with `datasets.Dataset.map`.
 
     Args:
         dataset (`datasets.Dataset`): the conversations, without an indices mapping.
+        columns: its `input_ids` and `labels`, already read (a worker process reads its own).
         plan (`pyarrow.Table`): one row per packed row; `_conversation` and `_offset` locate each piece.
         fingerprint (`str`, *optional*): the result's; None for a data set read from an `IterableDataset`.
         cache_file_name, num_proc, load_from_cache_file: as in `pack_dataset`.
@@ -173,7 +174,7 @@ def write_rows(dataset, plan, *, fingerprint: str | None, max_length: int, ignor
         enabled = datasets.is_caching_enabled()
         folder = os.path.dirname(dataset.cache_files[0]["filename"]) if enabled else None
         cache_file_name = os.path.join(folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow")
-    fill = _FillRows(dataset, ignore_index)
+    fill = _FillRows(dataset, ignore_index, columns)
     if plan.num_rows == 0:  # `map` would call nothing and return no column
         return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
     rows = datasets.Dataset(datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint())

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .chat import IGNORE_INDEX
-from .arrow_rows import TokenColumn, list_array, scan_tokens, write_rows
+from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
 
 logger = logging.getLogger(__name__)
@@ -359,15 +359,16 @@ def pack_dataset(
 
     # The plan as a table, one row per packed row: where each piece comes from, then the rows' own columns.
     piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
-    columns = {"_conversation": plan.source, "_offset": plan.offset}
+    columns = dict(zip(PIECE_COLUMNS, (plan.source, plan.offset)))
     columns.update(_row_metadata(plan, targets, weights, overflow == "split"))
     columns = {name: list_array(piece_bounds, pa.array(values)) for name, values in columns.items()}
     source = pa.array(plan.source)
     for name, row_name in carried.items():
         columns[row_name] = list_array(piece_bounds, table.column(name).combine_chunks().take(source))
     rows = write_rows(
-        dataset, pa.table(columns), fingerprint=fingerprint, max_length=max_length, ignore_index=ignore_index,
-        cache_file_name=cache_file_name, num_proc=num_proc, load_from_cache_file=load_from_cache_file,
+        dataset, (input_ids, labels), pa.table(columns), fingerprint=fingerprint, max_length=max_length,
+        ignore_index=ignore_index, cache_file_name=cache_file_name, num_proc=num_proc,
+        load_from_cache_file=load_from_cache_file,
     )
     stats.log()
     return (rows, stats) if return_stats else rows
@@ -435,7 +436,9 @@ def _read_iterable(dataset):
             if missing:
                 raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {sorted(names)}.")
         elif set(row) != names:
-            raise ValueError(f"`dataset[{index}]` has the columns {sorted(row)}, unlike the first row's {sorted(names)}.")
+            raise ValueError(
+                f"`dataset[{index}]` has the columns {sorted(row)}, unlike the first row's {sorted(names)}."
+            )
         row = dict(row)
         for name in ("input_ids", "labels"):
             row[name] = token_array(row[name], f"dataset[{index}][{name!r}]")

@@ -113,7 +113,8 @@ def test_second_call_reuses_the_cache(tmp_path, monkeypatch):
     assert second.cache_files == [cache] and Path(cache["filename"]).stat().st_mtime_ns == written
     assert second.to_dict() == first.to_dict() and second_stats == first_stats
     # Other options are another fingerprint: the rows are written anew.
-    for options in ({"max_length": 33}, {"max_length": 32, "overflow": "split"}, {"max_length": 32, "ignore_index": -1}):
+    for options in ({"max_length": 33}, {"max_length": 32, "overflow": "split"},
+                    {"max_length": 32, "ignore_index": -1}):
         with pytest.raises(AssertionError, match="rows written again"):
             pack_dataset(Dataset.from_file(str(path)), **options)
     with pytest.raises(AssertionError, match="rows written again"):
@@ -144,7 +145,8 @@ def test_an_iterable_dataset_gives_the_same_rows():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"attention_mask": [[1, 1, 1]]}, r"column 'attention_mask' holds list<item: int\d+>.*remove_columns\('attention_mask'\)"),
+        ({"attention_mask": [[1, 1, 1]]},
+         r"column 'attention_mask' holds list<item: int\d+>.*remove_columns\('attention_mask'\)"),
         ({"meta": [{"a": 1}]}, r"column 'meta' holds struct"),
         ({"lengths": [3]}, r"column 'lengths' would be carried to the rows as 'seq_lengths'"),
         ({"source": [3]}, r"column 'source' must hold a string"),
