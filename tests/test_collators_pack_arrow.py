@@ -92,6 +92,9 @@ def test_split_with_targets_weights_and_sources_across_batches(monkeypatch):
         assert packed.column_names == ["input_ids", "labels", "seq_lengths", "seq_targets", "seq_weights",
                                        "seq_sources", "seq_id"]
         assert packed.to_dict() == expected_rows
+        # A contiguous selection is a slice of the file's chunks, starting inside one.
+        part = pack_dataset(dataset.select(range(13, 50)), 16, overflow="split")
+        assert part.to_dict() == reference_pack(conversations[13:50], 16, "split")[0]
 
 
 def test_second_call_reuses_the_cache(tmp_path, monkeypatch):
