@@ -1,9 +1,11 @@
 """Packing tokenized conversations into rows of at most `max_length` tokens, boundaries kept.
 
 `pack_dataset` packs a whole `datasets.Dataset` (or `datasets.IterableDataset`) at once with
-best-fit-decreasing; `pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit
-rows of the same layout, `{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may
-be split, `seq_weights` when the data carry a `weight`), which `PackedCollator` turns into a batch.
+best-fit-decreasing, reading the tokens in place and writing the rows to an Arrow cache (`arrow_rows`);
+`pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit rows of the same layout,
+`{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may be split, `seq_weights`
+when the data carry a `weight`; `pack_dataset` also carries every other column, one value per sequence),
+which `PackedCollator` turns into a batch.
 
 Splitting (`overflow="split"`). A conversation of `L > M = max_length` tokens becomes pieces that start every
 `M - 1` tokens: piece `k` holds tokens `[k (M - 1), k (M - 1) + M)` (the last one is shorter). Each piece
