@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenize and pack a data set to disk, print the packing statistics",
         description="Tokenize conversations with the tokenizer's chat template (assistant turns "
         "trained), pack them with best-fit-decreasing into rows of --max-length tokens, save the "
-        "rows (input_ids, labels, seq_lengths) with datasets.Dataset.save_to_disk and print the "
-        "packing statistics. Load the result with datasets.load_from_disk and collate it with "
-        "collators.PackedCollator.",
+        "rows (input_ids, labels, seq_lengths; a weight and a source column as seq_weights and "
+        "seq_sources, any other column as seq_<name>, one value per sequence) with "
+        "datasets.Dataset.save_to_disk and print the packing statistics. Load the result with "
+        "datasets.load_from_disk and collate it with collators.PackedCollator.",
     )
     _add_data_arguments(pack, max_length=4096)
     pack.add_argument(

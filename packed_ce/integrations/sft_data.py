@@ -80,11 +80,18 @@ def pack(dataset, max_length: int, strategy: str):
     A piece after a cut repeats the token before the cut with label -100, so every target is
     trained exactly once, and carries its conversation's target count (``seq_targets``), so the
     conversation weighs as if it had not been split.
+
+    As trl's own packer, it packs the tokens only, with the ``weight`` and ``source`` columns the
+    trainer reads: trl's tokenised data set still holds the raw conversations (``messages``,
+    ``prompt``, ...), which packed rows cannot carry.
     """
     import collators
 
     overflow = "split" if strategy == "bfd_split" else "truncate"
-    return collators.pack_dataset(dataset, max_length, overflow=overflow)
+    # an IterableDataset may not know its columns before its first row
+    names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
+    columns = [c for c in ("input_ids", "labels", WEIGHT, SOURCE) if c in names]
+    return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
 
 
 class SequenceColumns:
