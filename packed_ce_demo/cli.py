@@ -143,8 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, TypeError, OSError) as error:
-        # Bad data, paths or options: the message names the problem; a traceback would bury it.
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        # Bad data, paths or options, a missing extra: the message names the problem and the
+        # fix; a traceback would bury it.
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         for name, flag in LIBRARY_NAMES.items():
             message = message.replace(name, flag)
