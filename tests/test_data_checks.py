@@ -181,3 +181,21 @@ def test_skip_no_assistant_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="skip_no_assistant must be a bool"):
         sft_trainer(tiny_causal_lm(VOCAB), Dataset.from_list(synthetic_conversations(SFT_LENGTHS, VOCAB)),
                     tmp_path, skip_no_assistant="yes")
+
+
+def test_no_target_left_after_trls_truncation_is_named_or_skipped(tmp_path, caplog):
+    """Without packing trl truncates each conversation to max_length and drops, without a word,
+    one whose answer lay past the cut: named by row (the messages did not tell), or skipped."""
+    data = collators.load_default_dataset().select(range(4))
+    messages = list(data["messages"])
+    messages[1] = [{"role": "user", "content": "tell me " * 40}, {"role": "assistant", "content": "No."}]
+    data = data.remove_columns("messages").add_column("messages", messages)
+    args = sft_args(tmp_path, assistant_only_loss=True, max_length=48)  # padded batches
+    with pytest.raises(ValueError, match=r"`train_dataset\[1\]` has no target left after truncation to max_length=48"):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=data,
+                         processing_class=sft_tokenizer())
+    with caplog.at_level(logging.WARNING):
+        trainer = PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=data,
+                                   processing_class=sft_tokenizer(), skip_no_assistant=True)
+    assert "skipped 1 of 4 conversations without a target after truncation" in caplog.text
+    assert trainer.train_dataset.num_rows == 3 and "packed_ce_row" not in trainer.train_dataset.column_names

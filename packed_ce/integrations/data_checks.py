@@ -213,6 +213,45 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
     return _drop_rows(dataset, missing, name)
 
 
+# A column of each row's index in the data set given to trl, to find the rows its preparation drops.
+ROW_INDEX = "packed_ce_row"
+
+
+def numbered(dataset):
+    """``dataset`` with :data:`ROW_INDEX` (a ``datasets.Dataset``; any other data as it is)."""
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset
+    return dataset.add_column(ROW_INDEX, list(range(dataset.num_rows)))
+
+
+def skip_or_refuse_dropped(prepared, given: int, name: str, trainer: str, skip: bool, max_length: int | None):
+    """trl's preparation after truncating to ``max_length`` drops, without a word, the rows left
+    without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
+    or with ``skip`` a logged count; the index column is removed.
+
+    Args:
+        prepared: trl's prepared data set, from :func:`numbered` data of ``given`` rows.
+    """
+    if not isinstance(prepared, datasets.Dataset) or ROW_INDEX not in prepared.column_names:
+        return prepared
+    kept = np.zeros(given, dtype=bool)
+    kept[np.asarray(prepared[ROW_INDEX], dtype=np.int64)] = True
+    prepared = prepared.remove_columns(ROW_INDEX)
+    dropped = np.flatnonzero(~kept)
+    if dropped.size and not skip:
+        raise ValueError(
+            f"`{name}[{dropped[0]}]` has no target left after truncation to max_length={max_length} "
+            f"({dropped.size} such rows): raise max_length, use packing=True (which keeps or splits long "
+            f"conversations), or pass skip_no_assistant=True to {trainer} to skip them (counted and logged)."
+        )
+    if dropped.size:
+        logger.warning(
+            "%s: skipped %d of %d conversations without a target after truncation to max_length=%s "
+            "(skip_no_assistant=True).", name, dropped.size, given, max_length,
+        )
+    return prepared
+
+
 def _drop_rows(dataset, rows: list[int], name: str):
     """``dataset`` without ``rows`` (logged); ValueError naming it when none is left."""
     if not rows:

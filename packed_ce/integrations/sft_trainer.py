@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import datasets
 import torch
 from trl import SFTTrainer
 from trl.chat_template_utils import has_generation_markers
@@ -31,6 +32,7 @@ from . import sft_data
 from .fused_forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
+from . import data_checks
 from .data_checks import check_datasets, skip_or_refuse_without_targets
 from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
 from .transformers import apply_packed_loss
@@ -141,8 +143,13 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
             dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
+            given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
-                dataset, processing_class, args, packing, formatting_func, name
+                data_checks.numbered(dataset), processing_class, args, packing, formatting_func, name
+            )
+            prepared = data_checks.skip_or_refuse_dropped(
+                prepared, given, f"{name}_dataset", type(self).__name__, self._skip_no_assistant,
+                args.max_length,
             )
             return self._without_targets(prepared, name)
         if args.max_length is None:
