@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 
 from collators.checks import check_weight_range, conversation_weight, targets_per_sequence, weight_array
 from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
@@ -155,8 +156,6 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
     if not isinstance(dataset, datasets.Dataset) or not {"input_ids", "labels"} <= set(dataset.column_names):
         return dataset
     columns = dataset.column_names
-    import pyarrow.compute as pc
-
     packed, split = "seq_lengths" in columns, "seq_targets" in columns
     read = ["input_ids", "labels"] + ["seq_lengths"] * packed
     missing, counted, row = [], 0, 0
