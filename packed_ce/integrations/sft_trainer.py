@@ -82,7 +82,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
             ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
             ``compute_loss_func``, ``packing_strategy="wrapped"``, context or sequence
-            parallelism, a bad ``weight`` or ``source`` value (naming its row); and those of
+            parallelism, a bad ``weight`` or ``source`` value (naming its row), weights that
+            cannot be carried or are all 0 (:func:`data_checks.check_columns`), an empty data
+            set, a conversation without a target (see ``skip_no_assistant``); and those of
             :class:`PackedTrainer`.
 
     Example:
