@@ -70,7 +70,8 @@ def token_losses(
     # only when asked for, as in the kernel: logits of ~2e19 square to inf in float32, and
     # 0 * inf would make the loss NaN
     z_term = options.z_loss_scale * lse.square() if options.z_loss_scale else torch.zeros_like(lse)
-    loss = torch.where(in_range, loss, float("nan"))
+    # a +inf logit leaves the softmax undefined: NaN, as F.cross_entropy and the kernel give
+    loss = torch.where(in_range & (lse != float("inf")), loss, float("nan"))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(valid, loss + z_term, zero), torch.where(valid, z_term, zero)
 
