@@ -125,9 +125,11 @@ def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: boo
     """
     if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
         return dataset
+    rows = dataset.select_columns(["messages"]).iter(batch_size=_BATCH_ROWS)
+    conversations = (messages for batch in rows for messages in batch["messages"])
     missing = [
         row
-        for row, messages in enumerate(dataset["messages"])
+        for row, messages in enumerate(conversations)
         if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or [])
     ]
     if missing and not skip:
