@@ -59,7 +59,7 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         - `cu_seqlens` `(S_local + 1,)` int32: boundaries of the local segments: a new segment starts at each
           chunk's first token and at each sequence start inside a chunk.
         - `seq_targets` `(S_local,)` int32: each segment's conversation target count (>= 1).
-        - `seq_weights` `(S_local,)` float32: each segment's conversation weight, when `batch` has them.
+        - `seq_weights` `(S_local,)` float64: each segment's conversation weight, when `batch` has them.
         - `seq_sources` (list of `S_local`): each segment's conversation source, when `batch` has them.
 
     Example:
@@ -163,7 +163,7 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         "seq_targets": per_sequence["seq_targets"].to(input_ids.device)[sequence_of].to(torch.int32),
     }
     if "seq_weights" in per_sequence:
-        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float32)
+        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float64)
     sources = batch.get("seq_sources")
     if sources is not None:
         if len(sources) != num_sequences:

@@ -33,7 +33,7 @@ def test_two_ranks_exact():
     assert rank0["shift_labels"].tolist() == [[IGNORE, IGNORE, IGNORE, 5, 14, 15, 16, IGNORE]]
     assert rank0["cu_seqlens"].tolist() == [0, 4, 8] and rank0["cu_seqlens"].dtype == torch.int32
     assert rank0["seq_targets"].tolist() == [2, 3] and rank0["seq_targets"].dtype == torch.int32
-    assert rank0["seq_weights"].tolist() == [1.0, 0.5] and rank0["seq_weights"].dtype == torch.float32
+    assert rank0["seq_weights"].tolist() == [1.0, 0.5] and rank0["seq_weights"].dtype == torch.float64
     assert rank1["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert rank1["position_ids"].tolist() == [[4, 5, 0, 1, 2, 3, 4, 5]]
     assert rank1["shift_labels"].tolist() == [[6, IGNORE, IGNORE, 9, 10, 11, 12, IGNORE]]

@@ -6,8 +6,6 @@ no column beside the tokens when packing, cuts ``bfd_split`` pieces without repe
 the cut (so the target there is lost), and refuses ``assistant_only_loss`` for a chat template
 without ``{% generation %}`` markers. Here:
 
-- :func:`check_columns` refuses a bad ``weight`` / ``source`` value by row, before any
-  tokenisation;
 - :func:`assistant_labels` tokenises conversations with :func:`collators.tokenize_conversation`
   (the assistant turns and the tokens that end them are trained, under any template);
 - :func:`pack` packs with :func:`collators.pack_dataset`, which carries ``weight`` (as
@@ -25,36 +23,7 @@ from typing import Any
 import torch
 
 from collators.collate import sequence_sources, sequence_weights
-from collators.packing import SOURCE_COLUMN as SOURCE
-from collators.packing import WEIGHT_COLUMN as WEIGHT
-
 from .trainer import ROW_COLUMNS, SOURCES_KEY
-
-
-def check_columns(dataset, name: str) -> None:
-    """Checks the optional ``weight`` and ``source`` columns of a data set, row by row.
-
-    Args:
-        dataset: a ``datasets.Dataset`` (an ``IterableDataset`` is not read here).
-        name: how the data set is called in errors (``train_dataset``).
-
-    Raises:
-        TypeError / ValueError naming the row: a weight that is not a real number, or is NaN,
-        infinite or negative (0 removes a conversation); a source that is not a string.
-    """
-    from collators.checks import conversation_weight
-
-    columns = getattr(dataset, "column_names", None) or []
-    if WEIGHT in columns:
-        for row, weight in enumerate(dataset[WEIGHT]):
-            conversation_weight(weight, f"{name}[{row}][{WEIGHT!r}]")
-    if SOURCE in columns:
-        for row, source in enumerate(dataset[SOURCE]):
-            if not isinstance(source, str):
-                raise TypeError(
-                    f"`{name}[{row}][{SOURCE!r}]` must be a string naming the conversation's data "
-                    f"source, got {type(source).__name__} {source!r}."
-                )
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
@@ -142,6 +111,6 @@ class SequenceColumns:
         batch["cu_seqlens"] = cu_seqlens
         if targets:  # pieces of split conversations (every row of a split packing)
             batch["seq_targets"] = torch.tensor(targets + [1] * padding, dtype=torch.int32)
-        batch["seq_weights"] = torch.tensor(weights + [0.0] * padding)
+        batch["seq_weights"] = torch.tensor(weights + [0.0] * padding, dtype=torch.float64)
         batch[SOURCES_KEY] = sources + [None] * padding
         return batch

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import datasets
 import torch
 from trl import SFTTrainer
 from trl.chat_template_utils import has_generation_markers
@@ -31,7 +32,9 @@ from . import sft_data
 from .fused_forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
-from .trainer import PackedNormaliserMixin, _datasets, _sources_of, refuse_token_mean_options
+from . import data_checks
+from .data_checks import check_datasets, skip_or_refuse_without_targets
+from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -67,6 +70,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
       the assistant turns and the tokens that end them are trained
       (:func:`collators.tokenize_conversation`).
 
+    - ``skip_no_assistant`` (keyword, default False; the name :func:`collators.tokenize_dataset`
+      uses): a conversation without a target (no assistant turn under ``assistant_only_loss``, an
+      empty completion, no target left after trl's truncation) is an error naming its row, found
+      before tokenising where the messages tell; with True such conversations are skipped and
+      counted in a logged warning. An empty data set is an error naming it.
+
     Logged like trl: ``loss``, ``entropy`` and ``mean_token_accuracy`` (token means over the
     targets, as trl defines them), ``num_tokens``, ``aux_loss`` for MoE models; the metrics come
     from the loss call itself (``return_token_stats``), so the logits are never read twice.
@@ -76,7 +85,10 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
             ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
             ``compute_loss_func``, ``packing_strategy="wrapped"``, sequence parallelism,
-            context parallelism without ``padding_free=True, packing=False``, a bad ``weight`` or ``source`` value (naming its row); and those of
+            context parallelism without ``padding_free=True, packing=False``, a bad ``weight`` or
+            ``source`` value (naming its row), weights that cannot be carried or are all 0
+            (:func:`data_checks.check_columns`), an empty data set, a conversation without a
+            target (see ``skip_no_assistant``); and those of
             :class:`PackedTrainer`.
 
     Example:
@@ -88,14 +100,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         >>> trainer.train()                                                     # doctest: +SKIP
     """
 
-    def __init__(self, *args, **kwargs):
-        bound = _SIGNATURE.bind(self, *args, **kwargs).arguments
+    def __init__(self, *args, skip_no_assistant: bool = False, **kwargs):
+        signature = _SIGNATURE.bind(self, *args, **kwargs)
+        bound = signature.arguments
         config = bound.get("args")
         if config is not None:
             _refuse_inexact_options(config, bound.get("compute_loss_func"))
-        for name in ("train_dataset", "eval_dataset"):
-            for dataset in _datasets(bound.get(name)):
-                sft_data.check_columns(dataset, name)
+        assistant_only = config is not None and config.assistant_only_loss
+        check_datasets(bound, type(self).__name__, skip_no_assistant, assistant_only=assistant_only)
+        self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = _sources_of(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
@@ -108,7 +121,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if self._own_assistant_labels:  # trl's own check is kept from refusing the template
             config.assistant_only_loss = False
         try:
-            super().__init__(*args, **kwargs)
+            super().__init__(*signature.args[1:], **signature.kwargs)
         finally:
             if self._own_assistant_labels:
                 config.assistant_only_loss = True
@@ -136,9 +149,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
             dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
-            return super()._prepare_dataset(
-                dataset, processing_class, args, packing, formatting_func, name
+            given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
+            prepared = super()._prepare_dataset(
+                data_checks.numbered(dataset), processing_class, args, packing, formatting_func, name
             )
+            prepared = data_checks.skip_or_refuse_dropped(
+                prepared, given, f"{name}_dataset", type(self).__name__, self._skip_no_assistant,
+                args.max_length,
+            )
+            return self._without_targets(prepared, name)
         if args.max_length is None:
             raise ValueError("PackedSFTTrainer: packing=True needs max_length (the row length)")
         # trl truncates unpacked rows to max_length; here the packer decides what a long
@@ -148,7 +167,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         unpacked = super()._prepare_dataset(
             dataset, processing_class, whole, False, formatting_func, name
         )
+        unpacked = self._without_targets(unpacked, name)
         return sft_data.pack(unpacked, args.max_length, args.packing_strategy)
+
+    def _without_targets(self, prepared, name: str):
+        """The prepared rows, checked for a target each (trl's truncation, an empty completion):
+        skipped with ``skip_no_assistant``, else ValueError naming the first row without one."""
+        return skip_or_refuse_without_targets(
+            prepared, f"{name}_dataset", type(self).__name__, self._skip_no_assistant
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step

@@ -20,6 +20,7 @@ batch. The Trainer's own count is the number of target tokens, right for ``is_pa
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -29,6 +30,7 @@ from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
 from ..pending import check_pending
 from .batch import count_num_items
 from .context_parallel import context_parallel_of, enable_context_parallel, shard_for_rank
+from .data_checks import check_datasets
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 
@@ -206,8 +208,10 @@ class PackedNormaliserMixin:
         ids = torch.tensor([index.get(s, -1) for s in sources])
         ids = ids.to(seq_losses.loss.device, non_blocking=True)
         scale = 1.0 if num_items_in_batch is None else num_items_in_batch
-        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)] * scale
-        rows = torch.where((ids >= 0)[:, None], rows, 0.0).to(torch.float64)
+        # float64 before the scale: times a float64 D the weight is the conversation's weight,
+        # which may pass float32's range (a weight column of 1e39)
+        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)]
+        rows = torch.where((ids >= 0)[:, None], rows.to(torch.float64) * scale, 0.0)
         sums = rows.new_zeros(len(self._sources), 2).index_add_(0, ids.clamp(min=0), rows)
         self._source_sums = sums if self._source_sums is None else self._source_sums + sums
 
@@ -246,6 +250,9 @@ class PackedNormaliserMixin:
         return count
 
 
+_SIGNATURE = inspect.signature(Trainer.__init__)
+
+
 class PackedTrainer(PackedNormaliserMixin, Trainer):
     """A ``transformers.Trainer`` for models given to :func:`apply_packed_loss`.
 
@@ -262,10 +269,17 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
     of ``2 K``). Not supported: ``nn.DataParallel`` (several GPUs in one process), tensor or
     sequence parallelism.
 
+    A conversation without a target (labels all -100 after its first token, or no token) is an
+    error naming its row, before training; with ``skip_no_assistant=True`` (the name
+    :func:`collators.tokenize_dataset` uses) a row of one such conversation is skipped and a packed
+    row's is left in place, weighing nothing; both are counted in a logged warning.
+
     Raises:
         ValueError: if the model has no packed loss, if the Trainer would not pass
             ``num_items_in_batch`` to it, with ``average_tokens_across_devices=False`` over several
-            processes, or with several GPUs in one process.
+            processes, or with several GPUs in one process; naming the data set or its row: an
+            empty data set, a conversation without a target, a bad ``weight`` / ``seq_weights`` /
+            ``source`` (:func:`packed_ce.integrations.data_checks.check_columns`), every weight 0.
 
     Example:
         >>> from transformers import TrainingArguments
@@ -282,8 +296,10 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
         >>> trainer.train()                                                     # doctest: +SKIP
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, skip_no_assistant: bool = False, **kwargs):
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        check_datasets(bound.arguments, type(self).__name__, skip_no_assistant)
+        super().__init__(*bound.args[1:], **bound.kwargs)
         self._check_packed_setup()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
