@@ -35,6 +35,7 @@ from .loss import TOKEN_STATS_KEY
 from . import data_checks
 from .data_checks import check_datasets, skip_or_refuse_without_targets
 from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
+from .seams import warn_if_untested_trl
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -101,6 +102,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     """
 
     def __init__(self, *args, skip_no_assistant: bool = False, **kwargs):
+        warn_if_untested_trl()
         signature = _SIGNATURE.bind(self, *args, **kwargs)
         bound = signature.arguments
         config = bound.get("args")

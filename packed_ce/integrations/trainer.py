@@ -33,6 +33,7 @@ from .context_parallel import context_parallel_of, enable_context_parallel, shar
 from .data_checks import check_datasets
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
+from .seams import RefuseOtherTrainers
 
 # The batch key of each sequence's data source (collators.PackedCollator, PackedSFTTrainer's
 # collator): a list of str or None, aligned with the batch's cu_seqlens.
@@ -72,11 +73,10 @@ class PackedNormaliserMixin:
     - a MoE model's router loss ``coef * aux`` is added once per micro-batch divided by the
       accumulation steps (as trl adds it), not multiplied by the number of processes;
     - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
-    - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
-      trainer may call a model with the packed loss: any other ``Trainer`` is refused.
+    - :class:`RefuseOtherTrainers`, which refuses any other ``Trainer`` on a model with the
+      packed loss, is removed from this one.
     """
 
-    counts_packed_items = True
     _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
@@ -107,6 +107,7 @@ class PackedNormaliserMixin:
             )
         refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
         self._set_up_context_parallel()
+        self.remove_callback(RefuseOtherTrainers)
         self.add_callback(CheckPendingValues)
         if not self._sources:
             self._sources = _sources_of(self.train_dataset, self.eval_dataset)
