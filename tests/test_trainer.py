@@ -207,7 +207,7 @@ def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch
     )
     with pytest.raises(ValueError, match="labels must be in"):
         trainer.train()
-    assert pending._pending == []
+    assert pending.pending_count() == 0
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), initial[name]), f"{name} was stepped on bad input"
 
