@@ -53,6 +53,10 @@ PRIVATE_SEAMS = (
     Seam("transformers.Trainer", "_set_signature_columns_if_needed", "overridden: keeps the "
          "packed rows' columns (seq_lengths, weights, sources) for the collator"),
     Seam("transformers.Trainer", "_signature_columns", "the kept columns, extended"),
+    Seam("transformers.Trainer", "_prepare_context_parallel_inputs", "overridden: under "
+         "ParallelismConfig(cp_size) each rank gets its shard of the packed row "
+         "(enable_context_parallel) instead of accelerate's ring attention, which is causal over "
+         "the whole row; training_step calls it after counting num_items_in_batch"),
     Seam("transformers.trainer", "DEFAULT_CALLBACKS", "the callbacks of every Trainer: "
          "RefuseOtherTrainers joins them, the one way to reach a stock Trainer"),
 )
