@@ -12,7 +12,6 @@ import copy
 import logging
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 Dataset = pytest.importorskip("datasets").Dataset

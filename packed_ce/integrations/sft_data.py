@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from collators.collate import sequence_sources, sequence_weights
+from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
 from .trainer import ROW_COLUMNS, SOURCES_KEY
 
 
@@ -59,7 +60,7 @@ def pack(dataset, max_length: int, strategy: str):
     overflow = "split" if strategy == "bfd_split" else "truncate"
     # an IterableDataset may not know its columns before its first row
     names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
-    columns = [c for c in ("input_ids", "labels", WEIGHT, SOURCE) if c in names]
+    columns = [c for c in ("input_ids", "labels", WEIGHT_COLUMN, SOURCE_COLUMN) if c in names]
     return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
 
 
