@@ -340,13 +340,6 @@ def make_trainer(
 
         extra["peft_config"] = LoraConfig(**LORA)
     model = build_model(job.model, job.attention, device, job.quantized)
-    if job.run == "packed_all_rows":
-        from packed_ce import ChunkOptions
-        from packed_ce.integrations import apply_packed_loss
-
-        apply_packed_loss(
-            model, fused_linear=True, fused_linear_options=ChunkOptions(drop_ignored_rows=False)
-        )
     base = PackedSFTTrainer if job.run.startswith("packed") else SFTTrainer
     measured = type(f"Measured{base.__name__}", (_Measured, base), {})
     measured.want_reference = reference
@@ -358,6 +351,16 @@ def make_trainer(
         callbacks=list(callbacks),
         **extra,
     )
+    if job.run == "packed_all_rows":
+        from packed_ce import ChunkOptions
+        from packed_ce.integrations import apply_packed_loss
+
+        # after the trainer: the packed forward then wraps trl's fused head, not the other way
+        # round, so the objective check may run the decoder by itself with gradients (flex)
+        apply_packed_loss(
+            trainer.model, fused_linear=True,
+            fused_linear_options=ChunkOptions(drop_ignored_rows=False),
+        )
     trainer.step_losses = []
     trainer.data_collator = _CountingCollator(trainer.data_collator)
     return trainer

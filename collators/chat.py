@@ -148,8 +148,9 @@ def tokenize_dataset(
         **kwargs: passed to `tokenize_conversation` (`tools`, `chat_template`, template variables).
 
     Returns:
-        `datasets.Dataset` with the columns `input_ids` and `labels` (lists of ints), one row per kept
-        conversation, in the input order.
+        `datasets.Dataset` with the columns `input_ids` and `labels` (lists of ints) in place of
+        `messages_column`, every other column kept (a `weight`, a `source`, ids: `pack_dataset` carries them to
+        the packed rows), one row per kept conversation, in the input order.
 
     Example:
 
@@ -169,6 +170,11 @@ def tokenize_dataset(
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
         raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
+    taken = [name for name in ("input_ids", "labels", "_kept") if name in dataset.column_names]
+    if taken:
+        raise ValueError(
+            f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove or rename them."
+        )
 
     def tokenize_batch(batch):
         out = {"input_ids": [], "labels": [], "_kept": []}
@@ -182,7 +188,7 @@ def tokenize_dataset(
         return out
 
     tokenized = dataset.map(
-        tokenize_batch, batched=True, remove_columns=dataset.column_names, num_proc=num_proc, desc="Tokenizing"
+        tokenize_batch, batched=True, remove_columns=[messages_column], num_proc=num_proc, desc="Tokenizing"
     )
     kept = tokenized["_kept"]
     num_skipped = len(kept) - sum(kept)

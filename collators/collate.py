@@ -147,8 +147,10 @@ class PackedCollator(_Collator):
       split by `pack_dataset(..., overflow="split")`). A sequence without targets, and the padding segment,
       get 1: they hold no target to weigh, and a loss weighing each target `seq_weight / seq_targets` never
       divides by 0.
-    - `seq_weights` `(S,)` float32, only when the examples carry weights (`seq_weights` per sequence or
-      `weight` per conversation): each sequence's conversation weight; 0 for the padding segment.
+    - `seq_weights` `(S,)` float64, only when the examples carry weights (`seq_weights` per sequence or
+      `weight` per conversation): each sequence's conversation weight; 0 for the padding segment. float64:
+      a weight below float32's range (1e-46) or above it (1e39) keeps its value, and the loss divides the
+      weights by their mass in float64 before any float32 arithmetic.
     - `seq_sources` (list of `str` or None, aligned with `cu_seqlens`), only when some example names its
       source (`seq_sources` per sequence or `source` per conversation): where each sequence comes from, for
       a loss per source (the trainers log `loss/<source>`); None for the padding segment.
@@ -202,7 +204,7 @@ class PackedCollator(_Collator):
     >>> batch["cu_seqlens"]
     tensor([ 0,  4,  7,  9, 10], dtype=torch.int32)
     >>> batch["seq_targets"], batch["seq_weights"]
-    (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000]))
+    (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000], dtype=torch.float64))
     """
 
     _FIELDS = ("pad_to_multiple_of", "pad_token_id", "ignore_index", "return_varlen_kwargs")
@@ -276,7 +278,7 @@ class PackedCollator(_Collator):
         }
         if seq_weights is not None:
             seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
-            batch["seq_weights"] = torch.from_numpy(seq_weights.astype(np.float32))
+            batch["seq_weights"] = torch.from_numpy(seq_weights)  # float64, see the docstring
         if any(source is not None for source in seq_sources):
             kept = [source for source, keep in zip(seq_sources, nonempty) if keep]
             batch["seq_sources"] = kept + [None] * bool(num_padding)
@@ -301,7 +303,7 @@ class PaddedCollator(_Collator):
     - `num_sequences` (`int`): rows with at least one target;
     - `seq_targets` `(B,)` int32: each row's target count under the shift (or the example's `seq_targets`,
       for a piece of a split conversation), 1 for a row without targets (see `PackedCollator`);
-    - `seq_weights` `(B,)` float32, when the examples carry weights;
+    - `seq_weights` `(B,)` float64, when the examples carry weights (see `PackedCollator`);
     - `seq_sources` (list of `str` or None), when some example names its `source`.
 
     Args:
@@ -371,7 +373,7 @@ class PaddedCollator(_Collator):
             "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
         }
         if all(weighted):
-            batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]).astype(np.float32))
+            batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
         seq_sources = [s for index, example in enumerate(examples) for s in sequence_sources(example, index, 1)]
         if any(source is not None for source in seq_sources):
             batch["seq_sources"] = seq_sources

@@ -18,6 +18,22 @@ _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _TOKENIZER_RECIPE = "bytelevel-bpe-v1"
 
 
+def require_demo_extra(caller: str) -> None:
+    """ImportError naming the `demo` extra when the packages of the default data are missing.
+
+    Without it the first sign would be `PackageNotFoundError: chatterbot-corpus` or a missing `yaml`
+    module, naming neither the extra nor the install command.
+    """
+    try:
+        import chatterbot_corpus  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"{caller} needs the `demo` extra (chatterbot-corpus, pyyaml; missing: {error.name}): "
+            'pip install "packed-ce[demo]" (from a clone: pip install ".[demo]").'
+        ) from None
+
+
 def load_default_dataset(*, system_prompt: bool = True):
     """The English conversations of the `chatterbot-corpus` package as a `datasets.Dataset`.
 
@@ -33,6 +49,9 @@ def load_default_dataset(*, system_prompt: bool = True):
         `datasets.Dataset` with the columns `messages` (list of `{"role", "content"}` dicts) and `category`
         (str), in a fixed order (files sorted by name, conversations in file order).
 
+    Raises:
+        `ImportError` naming the `demo` extra (`pip install "packed-ce[demo]"`) when it is not installed.
+
     Example:
 
     >>> from collators import load_default_dataset
@@ -44,6 +63,7 @@ def load_default_dataset(*, system_prompt: bool = True):
     """
     import datasets
 
+    require_demo_extra("load_default_dataset")
     rows = {"messages": [], "category": []}
     for category, utterances in _corpus_conversations():
         turns = [
@@ -75,6 +95,9 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
     Returns:
         `transformers.PreTrainedTokenizerFast`.
 
+    Raises:
+        `ImportError` naming the `demo` extra (`pip install "packed-ce[demo]"`) when it is not installed.
+
     Example:
 
     >>> from collators import load_default_tokenizer
@@ -87,6 +110,7 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
 
     # The byte-level alphabet (256) and the special tokens are the smallest vocabulary.
     positive_int(vocab_size, "vocab_size", minimum=256 + len(_SPECIAL_TOKENS))
+    require_demo_extra("load_default_tokenizer")
     corpus_version = metadata.version("chatterbot-corpus")
     key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")

@@ -1,9 +1,11 @@
 """Packing tokenized conversations into rows of at most `max_length` tokens, boundaries kept.
 
 `pack_dataset` packs a whole `datasets.Dataset` (or `datasets.IterableDataset`) at once with
-best-fit-decreasing; `pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit
-rows of the same layout, `{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may
-be split, `seq_weights` when the data carry a `weight`), which `PackedCollator` turns into a batch.
+best-fit-decreasing, reading the tokens in place and writing the rows to an Arrow cache (`arrow_rows`);
+`pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit rows of the same layout,
+`{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may be split, `seq_weights`
+when the data carry a `weight`; `pack_dataset` also carries every other column, one value per sequence),
+which `PackedCollator` turns into a batch.
 
 Splitting (`overflow="split"`). A conversation of `L > M = max_length` tokens becomes pieces that start every
 `M - 1` tokens: piece `k` holds tokens `[k (M - 1), k (M - 1) + M)` (the last one is shorter). Each piece
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from .chat import IGNORE_INDEX
+from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
 
 logger = logging.getLogger(__name__)
@@ -222,11 +225,8 @@ def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingSta
     return _Plan(source[order], offset[order], length[order], per_row)
 
 
-def _row_metadata(
-    plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool, sources: np.ndarray | None = None
-) -> dict[str, np.ndarray]:
-    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting), `seq_weights` (with weights) and
-    `seq_sources` (with sources).
+def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool) -> dict[str, np.ndarray]:
+    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting) and `seq_weights` (with weights).
 
     `seq_targets` is the target count of the piece's whole conversation, or 1 for a conversation without
     targets: it has no target to weigh, and a divisor of 1 keeps `weight / seq_targets` finite.
@@ -236,8 +236,6 @@ def _row_metadata(
         columns["seq_targets"] = np.maximum(targets[plan.source], 1)
     if weights is not None:
         columns["seq_weights"] = weights[plan.source]
-    if sources is not None:
-        columns["seq_sources"] = sources[plan.source]
     return columns
 
 
@@ -248,6 +246,9 @@ def pack_dataset(
     overflow: Overflow = "truncate",
     ignore_index: int = IGNORE_INDEX,
     return_stats: bool = False,
+    cache_file_name: str | None = None,
+    num_proc: int | None = None,
+    load_from_cache_file: bool | None = None,
 ):
     """Pack tokenized conversations into rows of at most `max_length` tokens with best-fit-decreasing.
 
@@ -258,32 +259,46 @@ def pack_dataset(
     logged, with the packing efficiency (real tokens / (rows * max_length)). Deterministic: the same input
     gives the same rows.
 
+    Memory does not grow with the number of tokens: the plan needs only each conversation's length (and
+    target count, from one pass over the labels, block by block), and the rows are written a batch at a time
+    with `datasets.Dataset.map` to an Arrow cache file beside the data set's own (`cache-<fingerprint>.arrow`,
+    from the data set's fingerprint and the options), which a second call with the same data and options
+    reuses. A data set held in memory gives rows in memory unless `cache_file_name` is set. An indices
+    mapping (after `shuffle` or `select`) is first written out with `flatten_indices`.
+
     Args:
         dataset (`datasets.Dataset` or `datasets.IterableDataset`): columns `input_ids` and `labels`, lists of
             ints of equal length per row (as made by `tokenize_dataset`), and optionally `weight`, a real
-            number >= 0 per conversation (e.g. to weight data sources). An `IterableDataset` is read to the end
-            (packing the whole data set needs every length); use `pack_stream` to pack a stream window by
-            window. A `source` column (a string per conversation, `datasets.Dataset` only) is carried to
-            each piece as `seq_sources`; other columns are not carried over.
+            number >= 0 per conversation (e.g. to weight data sources), carried to each piece as
+            `seq_weights`. Every other column is carried to each piece too: `source` (a string per
+            conversation) as `seq_sources`, any other column `name` as `seq_<name>`; a column holding lists
+            or structs (not one value per conversation) raises. An `IterableDataset` is read to the end into
+            memory (packing the whole data set needs every length); use `pack_stream` to pack a stream window
+            by window.
         max_length (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
         overflow (`str`, *optional*, defaults to `"truncate"`): what to do with a conversation longer than
             `max_length`: `"truncate"`, `"drop"`, `"split"` or `"error"` (raise `ValueError`).
         ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
         return_stats (`bool`, *optional*, defaults to `False`): also return the `PackingStats`.
+        cache_file_name (`str`, *optional*): where to write the rows (`datasets.Dataset.map`'s argument).
+        num_proc (`int`, *optional*): processes writing the rows (`datasets.Dataset.map`'s argument).
+        load_from_cache_file (`bool`, *optional*): reuse rows already written (default: unless caching is
+            disabled in `datasets`).
 
     Returns:
-        `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints, at most `max_length` long),
-        `seq_lengths` (the length of each sequence in the row, in row order; they sum to the row's length),
-        with `overflow="split"` `seq_targets` (for each sequence, the target count of its whole conversation,
-        1 for a conversation without targets), when `dataset` has a `weight` column, `seq_weights` (each
-        sequence's conversation weight) and with a `source` column `seq_sources`; or `(dataset, PackingStats)` with `return_stats=True`. Rows come in
-        the order they were opened (longest pieces first); shuffle them in the DataLoader.
+        `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints of the input's integer type,
+        at most `max_length` long), `seq_lengths` (the length of each sequence in the row, in row order; they
+        sum to the row's length), with `overflow="split"` `seq_targets` (for each sequence, the target count
+        of its whole conversation, 1 for a conversation without targets), then the carried columns, one value
+        per sequence: `seq_weights` (float64), `seq_sources`, `seq_<name>`; or `(dataset, PackingStats)` with
+        `return_stats=True`. Rows come in the order they were opened (longest pieces first); shuffle them in
+        the DataLoader.
 
     Raises:
         `TypeError`: `dataset` is not a data set, `max_length` not an int, tokens or weights of the wrong type.
         `ValueError`: `max_length` too small, unknown `overflow`, missing columns, negative token ids or labels
             other than `ignore_index`, rows whose `input_ids` and `labels` differ in length, weights that are
-            not finite and >= 0.
+            not finite and >= 0, a `source` that is not a string, a column that cannot be carried (naming it).
 
     Example:
 
@@ -316,139 +331,128 @@ def pack_dataset(
     from datasets.fingerprint import Hasher
 
     max_length = _check_packing_options(max_length, overflow)
-    lengths, input_ids, labels, weights, fingerprint = _read_columns(dataset)
-    sources = _read_sources(dataset)
-    check_tokens(input_ids, labels, ignore_index, "dataset")
-
-    stats = PackingStats(max_length=max_length)
-    kept = _cut_to_capacity(lengths, max_length, overflow, stats)
-    targets = targets_per_sequence(labels, lengths, ignore_index, counted=kept)
-    stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
-    plan = _plan_rows(kept, max_length, overflow == "split", stats)
-
-    # Copy each piece's tokens, in row order, out of the flattened token columns: one slice per piece joined
-    # by numpy is faster than Arrow's `take` on list arrays.
-    starts = (np.cumsum(lengths) - lengths)[plan.source] + plan.offset
-    spans = list(zip(starts.tolist(), (starts + plan.length).tolist()))
-    row_ids = np.concatenate([input_ids[a:b] for a, b in spans]) if spans else input_ids[:0]
-    row_labels = np.concatenate([labels[a:b] for a, b in spans]) if spans else labels[:0]
-    # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
-    piece_starts = np.cumsum(plan.length) - plan.length
-    row_labels[piece_starts[plan.offset > 0]] = ignore_index
-
-    piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
-    token_bounds = np.concatenate(([0], np.cumsum(plan.length)))[piece_bounds]
-    columns = {
-        "input_ids": _list_array(token_bounds, pa.array(row_ids)),
-        "labels": _list_array(token_bounds, pa.array(row_labels)),
-    }
-    for name, values in _row_metadata(plan, targets, weights, overflow == "split", sources).items():
-        columns[name] = _list_array(piece_bounds, pa.array(values))
-    stats.log()
-    # An explicit fingerprint spares `datasets` hashing every token of the result.
-    if fingerprint is not None:
-        fingerprint = Hasher.hash((fingerprint, max_length, overflow, ignore_index, "best-fit-decreasing"))
-    result = datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)), fingerprint=fingerprint)
-    return (result, stats) if return_stats else result
-
-
-def _read_sources(dataset) -> np.ndarray | None:
-    """The `source` column of a `datasets.Dataset` as a `(C,)` array of strings, or None without one."""
-    import datasets
-    import pyarrow as pa
-
-    if not isinstance(dataset, datasets.Dataset) or SOURCE_COLUMN not in dataset.column_names:
-        return None
-    sources = dataset.select_columns([SOURCE_COLUMN]).with_format("arrow")[:][SOURCE_COLUMN]
-    if sources.null_count or not (pa.types.is_string(sources.type) or pa.types.is_large_string(sources.type)):
-        raise ValueError(
-            f"`dataset` column {SOURCE_COLUMN!r} must hold a string for every row (got type {sources.type}, "
-            f"{sources.null_count} missing values)."
-        )
-    return np.asarray(sources.to_pylist(), dtype=object)
-
-
-def _read_columns(dataset):
-    """`(lengths, input_ids, labels, weights, fingerprint)` of a data set: flat int64 tokens, float64 weights.
-
-    `lengths` `(C,)`; `input_ids`, `labels` `(sum(lengths),)` back to back; `weights` `(C,)` or None without a
-    `weight` column; `fingerprint` None for an `IterableDataset`.
-    """
-    import datasets
-
-    if isinstance(dataset, datasets.Dataset):
-        _require_columns(dataset.column_names)
-        names = [c for c in ("input_ids", "labels", WEIGHT_COLUMN) if c in dataset.column_names]
-        # The Arrow view honours any selection or shuffle applied to the data set.
-        table = dataset.select_columns(names).with_format("arrow")[:]
-        input_ids, lengths = _arrow_tokens(table["input_ids"].combine_chunks(), "input_ids")
-        labels, label_lengths = _arrow_tokens(table["labels"].combine_chunks(), "labels")
-        weights = None
-        if WEIGHT_COLUMN in names:
-            column = table[WEIGHT_COLUMN]
-            if column.null_count:
-                raise ValueError(f"`dataset` column {WEIGHT_COLUMN!r} has {column.null_count} missing values.")
-            weights = weight_array(column.to_numpy(), f"dataset[{WEIGHT_COLUMN!r}]")
-        fingerprint = dataset._fingerprint
-    elif isinstance(dataset, datasets.IterableDataset):
-        ids_parts, label_parts, weight_list = [], [], []
-        for index, row in enumerate(dataset):
-            if index == 0:
-                _require_columns(list(row))
-                has_weight = WEIGHT_COLUMN in row
-            ids_parts.append(token_array(row["input_ids"], f"dataset[{index}]['input_ids']"))
-            label_parts.append(token_array(row["labels"], f"dataset[{index}]['labels']"))
-            if has_weight:
-                weight_list.append(conversation_weight(row[WEIGHT_COLUMN], f"dataset[{index}][{WEIGHT_COLUMN!r}]"))
-        lengths = np.array([len(part) for part in ids_parts], dtype=np.int64)
-        label_lengths = np.array([len(part) for part in label_parts], dtype=np.int64)
-        input_ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
-        labels = np.concatenate(label_parts) if label_parts else np.zeros(0, dtype=np.int64)
-        weights = np.array(weight_list, dtype=np.float64) if ids_parts and has_weight else None
-        fingerprint = None
+    if isinstance(dataset, datasets.IterableDataset):
+        dataset, fingerprint = _read_iterable(dataset), None
+    elif isinstance(dataset, datasets.Dataset):
+        fingerprint = Hasher.hash((dataset._fingerprint, max_length, overflow, ignore_index, "best-fit-decreasing"))
     else:
         raise TypeError(
             f"`dataset` must be a datasets.Dataset or datasets.IterableDataset, got {type(dataset).__name__}; "
             "pack other iterables of examples with pack_stream or PackedIterableDataset."
         )
-    if not np.array_equal(lengths, label_lengths):
-        row = int(np.flatnonzero(lengths != label_lengths)[0])
+    carried = _carried_columns(dataset.data.table.schema)
+    if dataset._indices is not None:
+        dataset = dataset.flatten_indices()  # rows in order on disk, so that they can be read in place
+    table = dataset.data.table
+    input_ids, labels = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
+    lengths = input_ids.lengths
+    if not np.array_equal(lengths, labels.lengths):
+        row = int(np.flatnonzero(lengths != labels.lengths)[0])
         raise ValueError(
-            f"`dataset` row {row} has {lengths[row]} input_ids but {label_lengths[row]} labels: they must agree."
+            f"`dataset` row {row} has {lengths[row]} input_ids but {labels.lengths[row]} labels: they must agree."
         )
-    return lengths, input_ids, labels, weights, fingerprint
+    weights = _read_weights(table)
+
+    stats = PackingStats(max_length=max_length)
+    kept = _cut_to_capacity(lengths, max_length, overflow, stats)
+    targets = scan_tokens(input_ids, labels, kept, ignore_index)
+    stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
+    plan = _plan_rows(kept, max_length, overflow == "split", stats)
+
+    # The plan as a table, one row per packed row: where each piece comes from, then the rows' own columns.
+    piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
+    columns = dict(zip(PIECE_COLUMNS, (plan.source, plan.offset)))
+    columns.update(_row_metadata(plan, targets, weights, overflow == "split"))
+    columns = {name: list_array(piece_bounds, pa.array(values)) for name, values in columns.items()}
+    source = pa.array(plan.source)
+    for name, row_name in carried.items():
+        columns[row_name] = list_array(piece_bounds, table.column(name).combine_chunks().take(source))
+    rows = write_rows(
+        dataset, (input_ids, labels), pa.table(columns), fingerprint=fingerprint, max_length=max_length,
+        ignore_index=ignore_index, cache_file_name=cache_file_name, num_proc=num_proc,
+        load_from_cache_file=load_from_cache_file,
+    )
+    stats.log()
+    return (rows, stats) if return_stats else rows
 
 
-def _require_columns(names) -> None:
-    missing = {"input_ids", "labels"} - set(names)
+# What packing writes: no carried column may take one of these names.
+_ROW_COLUMNS = ("input_ids", "labels", "seq_lengths", "seq_targets", "seq_weights", "seq_sources")
+
+
+def _carried_columns(schema) -> dict[str, str]:
+    """The columns carried to the pieces, by the name of their row column: `source` as `seq_sources`, any
+    other `name` but the tokens and `weight` as `seq_<name>`.
+
+    Raises:
+        `ValueError` naming the column: `input_ids` or `labels` missing, a column holding lists or structs (no
+        single value to give each piece), a row column name taken, a `source` column that is not strings.
+    """
+    import pyarrow as pa
+
+    missing = {"input_ids", "labels"} - set(schema.names)
     if missing:
-        raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {list(names)}.")
+        raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {schema.names}.")
+    carried = {}
+    for name in schema.names:
+        if name in ("input_ids", "labels", WEIGHT_COLUMN):
+            continue
+        row_name = "seq_sources" if name == SOURCE_COLUMN else f"seq_{name}"
+        value_type = schema.field(name).type
+        if name == SOURCE_COLUMN and not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
+            raise ValueError(f"`dataset` column {SOURCE_COLUMN!r} must hold a string for every row, got {value_type}.")
+        if pa.types.is_nested(value_type):
+            raise ValueError(
+                f"`dataset` column {name!r} holds {value_type}, not one value per conversation, so packed rows "
+                f"cannot carry it (they hold one value per sequence): remove it with "
+                f"dataset.remove_columns({name!r}) or reduce it to one value per conversation."
+            )
+        if row_name in _ROW_COLUMNS and name != SOURCE_COLUMN:
+            raise ValueError(
+                f"`dataset` column {name!r} would be carried to the rows as {row_name!r}, a column packing "
+                "writes itself: rename it."
+            )
+        carried[name] = row_name
+    return carried
 
 
-def _arrow_tokens(column, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """The values of an Arrow list-of-ints column, flat as int64, and the length of each row."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+def _read_weights(table) -> np.ndarray | None:
+    """The `weight` column as `(C,)` float64, checked; None without one."""
+    if WEIGHT_COLUMN not in table.column_names:
+        return None
+    column = table.column(WEIGHT_COLUMN)
     if column.null_count:
-        raise ValueError(f"`dataset` column {name!r} has {column.null_count} missing rows.")
-    value_type = getattr(column.type, "value_type", None)
-    if value_type is None or not (pa.types.is_integer(value_type) or pa.types.is_null(value_type)):
-        raise TypeError(f"`dataset` column {name!r} must hold lists of ints, got {column.type}.")
-    values = column.flatten()
-    if values.null_count:
-        raise ValueError(f"`dataset` column {name!r} has {values.null_count} missing tokens.")
-    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
-    return values.to_numpy(zero_copy_only=False).astype(np.int64), lengths
+        raise ValueError(f"`dataset` column {WEIGHT_COLUMN!r} has {column.null_count} missing values.")
+    return weight_array(column.to_numpy(), f"dataset[{WEIGHT_COLUMN!r}]")
 
 
-def _list_array(bounds: np.ndarray, values):
-    """Arrow lists `values[bounds[i]:bounds[i+1]]`; 64-bit offsets only when 32 bits cannot hold them."""
-    import pyarrow as pa
+def _read_iterable(dataset):
+    """A `datasets.IterableDataset` read to the end into an in-memory `datasets.Dataset`, each row checked."""
+    import datasets
 
-    if bounds[-1] < 2**31:
-        return pa.ListArray.from_arrays(pa.array(bounds.astype(np.int32)), values)
-    return pa.LargeListArray.from_arrays(pa.array(bounds), values)
+    rows = []
+    for index, row in enumerate(dataset):
+        if index == 0:
+            names = set(row)
+            missing = {"input_ids", "labels"} - names
+            if missing:
+                raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {sorted(names)}.")
+        elif set(row) != names:
+            raise ValueError(
+                f"`dataset[{index}]` has the columns {sorted(row)}, unlike the first row's {sorted(names)}."
+            )
+        row = dict(row)
+        for name in ("input_ids", "labels"):
+            row[name] = token_array(row[name], f"dataset[{index}][{name!r}]")
+        if WEIGHT_COLUMN in row:
+            row[WEIGHT_COLUMN] = conversation_weight(row[WEIGHT_COLUMN], f"dataset[{index}][{WEIGHT_COLUMN!r}]")
+        if SOURCE_COLUMN in row and not isinstance(row[SOURCE_COLUMN], str):
+            raise ValueError(f"`dataset[{index}][{SOURCE_COLUMN!r}]` must be a string, got {row[SOURCE_COLUMN]!r}.")
+        rows.append(row)
+    if not rows:
+        features = datasets.Features({name: [datasets.Value("int64")] for name in ("input_ids", "labels")})
+        return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+    return datasets.Dataset.from_list(rows)
 
 
 def pack_stream(

@@ -52,12 +52,15 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         `dict` on the batch's device:
 
         - `input_ids` `(1, 2C)`, `position_ids` `(1, 2C)` int64: the local tokens and their global positions.
+        - `labels` `(1, 2C)`: the local tokens' own labels (aligned with `input_ids`); a model's loss reads
+          `shift_labels` when both are given, and needs `labels` to compute a loss at all.
         - `shift_labels` `(1, 2C)` int64: the target of each local token, `ignore_index` at the last token of
           every sequence (and on padding).
         - `cu_seqlens` `(S_local + 1,)` int32: boundaries of the local segments: a new segment starts at each
           chunk's first token and at each sequence start inside a chunk.
         - `seq_targets` `(S_local,)` int32: each segment's conversation target count (>= 1).
-        - `seq_weights` `(S_local,)` float32: each segment's conversation weight, when `batch` has them.
+        - `seq_weights` `(S_local,)` float64: each segment's conversation weight, when `batch` has them.
+        - `seq_sources` (list of `S_local`): each segment's conversation source, when `batch` has them.
 
     Example:
 
@@ -153,13 +156,19 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
     shard = {
         "input_ids": input_ids[:, local],
+        "labels": labels[:, local],
         "position_ids": position_ids[:, local],
         "shift_labels": shift_labels[local][None],
         "cu_seqlens": torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
         "seq_targets": per_sequence["seq_targets"].to(input_ids.device)[sequence_of].to(torch.int32),
     }
     if "seq_weights" in per_sequence:
-        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float32)
+        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float64)
+    sources = batch.get("seq_sources")
+    if sources is not None:
+        if len(sources) != num_sequences:
+            raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
+        shard["seq_sources"] = [sources[index] for index in sequence_of.tolist()]
     return shard
 
 

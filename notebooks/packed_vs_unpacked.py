@@ -237,8 +237,9 @@ apply_packed_loss(model, is_packed=True)
 with torch.no_grad():
     packed_batch_loss = model(**packed_batch).loss
     padded_batch_loss = model(**padded_batch).loss
-print(f"packed, is_packed=True : {packed_batch_loss:.6f}")
-print(f"padded, is_packed=True : {padded_batch_loss:.6f}")
+# three decimals: float32 sums differ in the last digits from one CPU to another (~1e-6)
+print(f"packed, is_packed=True : {packed_batch_loss:.3f}")
+print(f"padded, is_packed=True : {padded_batch_loss:.3f}")
 
 # %% [markdown]
 # ## 5. The check, batch by batch
@@ -269,7 +270,7 @@ def naive_loss(model, batch):
 
 
 print(
-    f"{'batch':>5} {'convs':>5} {'one at a time':>14} {'packed':>10} {'padded':>10} {'naive':>10}"
+    f"{'batch':>5} {'convs':>5} {'one at a time':>14} {'packed':>8} {'padded':>8} {'naive':>8}"
 )
 worst = 0.0
 with torch.no_grad():
@@ -286,8 +287,9 @@ with torch.no_grad():
         truth = one_at_a_time(model, conversations)
         p, u, n = model(**p_batch).loss, padded_loss(model, u_batch), naive_loss(model, p_batch)
         worst = max(worst, abs(p - truth).item(), abs(u - truth).item())
-        print(f"{k:>5} {len(conversations):>5} {truth:>14.6f} {p:>10.6f} {u:>10.6f} {n:>10.6f}")
-print(f"largest |difference| to the ground truth: {worst:.1e}")
+        print(f"{k:>5} {len(conversations):>5} {truth:>14.3f} {p:>8.3f} {u:>8.3f} {n:>8.3f}")
+# the bound, not the measured value: that changes in its digits from one CPU to another
+print(f"largest |difference| to the ground truth: {'below' if worst <= 1e-5 else 'ABOVE'} 1e-5")
 assert worst <= 1e-5
 
 # %% [markdown]
@@ -310,7 +312,7 @@ steps = step_batches(
 )
 runs = train_runs(build_model(config, seed=0), steps, learning_rate=2e-3, progress=False)
 gap = max(abs(a - b) for a, b in zip(runs["packed"].losses, runs["padded"].losses))
-print(f"max |packed - padded| over {STEPS} steps: {gap:.1e}")
+print(f"max |packed - padded| over {STEPS} steps: {'below' if gap <= TOLERANCE else 'ABOVE'} {TOLERANCE:g}")
 assert gap <= TOLERANCE
 
 # %%
@@ -375,7 +377,7 @@ for step in range(2 * STEPS):
         for k, name in enumerate(SOURCES):
             curves[name].append(float(sums[k, 0] / sums[k, 1]) if sums[k, 1] > 0 else math.nan)
         sums.zero_()
-print({name: [round(v, 2) for v in values[-2:]] for name, values in curves.items()})
+print({name: [round(v, 1) for v in values[-2:]] for name, values in curves.items()})  # after training: one decimal
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 3))

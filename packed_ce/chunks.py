@@ -138,7 +138,7 @@ def _torch_chunk_loss(options: LossOptions) -> _ChunkLoss:
         """``(coef * l, coef * z_term)`` of a chunk; also ``dL/dZ`` into ``z`` if ``grad_rows``."""
         x = z.detach().to(coef.dtype).requires_grad_(grad_rows is not None)
         with torch.enable_grad():  # autograd through the reference on the upcast chunk
-            loss, z_term = token_losses(x, targets, options)
+            loss, z_term = token_losses(x, targets, options, coef)
             loss, z_term = coef * loss, coef * z_term
             if grad_rows is not None:
                 (grad,) = torch.autograd.grad(loss, x, grad_rows.to(loss.dtype))

@@ -73,6 +73,21 @@ def queue(record: torch.Tensor, labels_shape: tuple[int, ...], vocab_size: int, 
         _pending.append(check)
 
 
+def pending_count() -> int:
+    """How many loss calls' value checks are queued and not yet read (what tests assert on)."""
+    with _pending_lock:
+        return len(_pending)
+
+
+def discard_pending() -> int:
+    """Drops every queued check unread and returns how many there were: a test that leaves a
+    bad call behind on purpose must not have its error raised in the next, unrelated test."""
+    with _pending_lock:
+        count = len(_pending)
+        _pending.clear()
+    return count
+
+
 def check_pending() -> None:
     """Raises the ``ValueError`` of any bad value given to an earlier loss call.
 

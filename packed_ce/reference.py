@@ -21,7 +21,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def token_losses(
-    logits: torch.Tensor, targets: torch.Tensor, options: LossOptions
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    options: LossOptions,
+    coef: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unweighted per-token loss ``l_t`` and its z-term.
 
@@ -29,21 +32,28 @@ def token_losses(
         logits: ``(N, V)`` float64/float32/bfloat16/float16.
         targets: ``(N,)`` int64 target class, or ``options.ignore_index``.
         options: read for ``ignore_index``, ``label_smoothing``, ``z_loss_scale``, ``softcap``.
+        coef: ``(N,)`` the rows' loss coefficients, or None: a row whose coefficient is 0 (its
+            sequence weighs 0) counts as one without a target.
 
     A ``-inf`` logit (a masked entry) is an exact zero of the softmax: finite loss and zero
     gradient there, as ``F.cross_entropy`` gives; with ``label_smoothing > 0`` the loss of its
     row is ``+inf`` (the smoothing term averages every logit), with the finite gradient
-    ``eps * (p_j - 1 / V)``.
+    ``eps * (p_j - 1 / V)``. A row without a target is never read, as in the kernel: its NaN or
+    infinite logits give 0 and a zero gradient, not a NaN through ``0 * nan``.
 
     Returns:
         ``(l, z)``, both ``(N,)`` in the compute dtype (float64 for float64 logits, else
         float32), with ``l`` including the z-term and both 0 where there is no target.
     """
-    x = logits.to(compute_dtype(logits.dtype))
+    valid = targets != options.ignore_index
+    if coef is not None:
+        valid = valid & (coef != 0)
+    # zeros in the rows without a target, before any arithmetic: autograd multiplies a masked
+    # row's zero gradient by the softmax of its logits, NaN for NaN logits (0 * nan)
+    x = torch.where(valid[:, None], logits.to(compute_dtype(logits.dtype)), 0.0)
     if options.softcap is not None:
         x = options.softcap * torch.tanh(x / options.softcap)
     lse = torch.logsumexp(x, dim=-1)
-    valid = targets != options.ignore_index
     # A label outside [0, V) (possible only unvalidated) gives NaN, as in the kernel, instead of
     # an indexing error here
     in_range = (targets >= 0) & (targets < x.shape[-1])
@@ -57,8 +67,11 @@ def token_losses(
     # With eps > 0 the loss is +inf, as the formula says (the kernel gives the same).
     if eps != 0.0:
         loss = (1.0 - eps) * loss + eps * (lse - x.mean(dim=-1))
-    z_term = options.z_loss_scale * lse.square()
-    loss = torch.where(in_range, loss, float("nan"))
+    # only when asked for, as in the kernel: logits of ~2e19 square to inf in float32, and
+    # 0 * inf would make the loss NaN
+    z_term = options.z_loss_scale * lse.square() if options.z_loss_scale else torch.zeros_like(lse)
+    # a +inf logit leaves the softmax undefined: NaN, as F.cross_entropy and the kernel give
+    loss = torch.where(in_range & (lse != float("inf")), loss, float("nan"))
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
     return torch.where(valid, loss + z_term, zero), torch.where(valid, z_term, zero)
 
@@ -108,7 +121,7 @@ def loss_from_targets(
         stats: ``(N, 3)`` float32 or None: column 2 receives the rows' ``coef_t * l_t``.
     """
     rows = logits.reshape(-1, logits.shape[-1])
-    loss, z_term = token_losses(rows, prepared.targets, options)
+    loss, z_term = token_losses(rows, prepared.targets, options, prepared.coef)
     loss, z_term = prepared.coef * loss, prepared.coef * z_term
     if stats is not None:
         stats[:, 2] = loss.detach()

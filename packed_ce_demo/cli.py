@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenize and pack a data set to disk, print the packing statistics",
         description="Tokenize conversations with the tokenizer's chat template (assistant turns "
         "trained), pack them with best-fit-decreasing into rows of --max-length tokens, save the "
-        "rows (input_ids, labels, seq_lengths) with datasets.Dataset.save_to_disk and print the "
-        "packing statistics. Load the result with datasets.load_from_disk and collate it with "
-        "collators.PackedCollator.",
+        "rows (input_ids, labels, seq_lengths; a weight and a source column as seq_weights and "
+        "seq_sources, any other column as seq_<name>, one value per sequence) with "
+        "datasets.Dataset.save_to_disk and print the packing statistics. Load the result with "
+        "datasets.load_from_disk and collate it with collators.PackedCollator.",
     )
     _add_data_arguments(pack, max_length=4096)
     pack.add_argument(
@@ -143,8 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, TypeError, OSError) as error:
-        # Bad data, paths or options: the message names the problem; a traceback would bury it.
+    except (ValueError, TypeError, OSError, ImportError) as error:
+        # Bad data, paths or options, a missing extra: the message names the problem and the
+        # fix; a traceback would bury it.
         message = (str(error).strip().splitlines() or [type(error).__name__])[0]
         for name, flag in LIBRARY_NAMES.items():
             message = message.replace(name, flag)
@@ -158,6 +160,8 @@ def _run(args) -> int:
 
     import packed_ce_demo as demo
 
+    device = _device(args.device) if args.command == "demo" else None  # before any data is read
+
     # A local path is checked here, so that a missing one is never looked up on a hub; a hub
     # name fails in seconds when the hub cannot be reached (only the local cache is read).
     hub_names = [
@@ -169,9 +173,6 @@ def _run(args) -> int:
     if hub_names:
         demo.offline_unless_reachable()
     if args.command == "demo":
-        import torch
-
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         report = demo.run_demo(
             dataset=args.dataset,
             tokenizer=args.tokenizer,
@@ -211,6 +212,31 @@ def _run(args) -> int:
             f"saved to    {stats['output']}"
         )
     return 0
+
+
+def _device(name: str | None) -> str:
+    """The device of ``--device`` (default: cuda if available, else cpu), checked to hold a tensor.
+
+    Raises:
+        ValueError naming ``--device``: not a torch device name (``gpu0``), or one this machine
+        lacks (``cuda`` without a CUDA GPU, ``cuda:3`` on a machine with fewer GPUs).
+    """
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"`--device` {name!r} is not a torch device: use cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`--device` {name!r}: this machine has no CUDA GPU (or torch was built without CUDA); use --device cpu")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:  # cuda:7 of 2 GPUs, mps elsewhere, ...
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"`--device` {name!r} cannot hold a tensor here ({reason}); use --device cpu") from None
+    return name
 
 
 if __name__ == "__main__":

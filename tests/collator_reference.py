@@ -49,3 +49,50 @@ def packed_weighted_sum(table: torch.Tensor, batch, logits: torch.Tensor | None 
     counts = [int((labels[start + 1 : end] != IGNORE).sum()) for start, end in slices]
     mass = sum(a * n / m for a, n, m in zip(weights, counts, seq_targets))
     return total, torch.tensor(mass, dtype=table.dtype)
+
+
+def reference_pack(conversations, max_length: int, overflow: str, ignore_index: int = IGNORE):
+    """`(rows, stats)` of `collators.pack_dataset` computed in memory, a Python list per row.
+
+    `conversations`: dicts with `input_ids`, `labels` (lists of ints) and any other per-conversation value
+    (`weight` -> `seq_weights`, `source` -> `seq_sources`, `name` -> `seq_<name>`). The plan is packing's own
+    (overflow handling and best-fit decreasing, tested on their own); the rows are then built piece by piece,
+    the way the in-memory `pack_dataset` built them before rows were written to an Arrow cache.
+    """
+    import numpy as np
+
+    from collators.checks import targets_per_sequence
+    from collators.packing import PackingStats, _cut_to_capacity, _plan_rows
+
+    lengths = np.array([len(c["input_ids"]) for c in conversations], dtype=np.int64)
+    labels = np.array([t for c in conversations for t in c["labels"]], dtype=np.int64)
+    stats = PackingStats(max_length=max_length)
+    kept = _cut_to_capacity(lengths, max_length, overflow, stats)
+    targets = targets_per_sequence(labels, lengths, ignore_index, counted=kept)
+    stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
+    split = overflow == "split"
+    plan = _plan_rows(kept, max_length, split, stats)
+    carried = {"weight": "seq_weights", "source": "seq_sources"}
+    others = [k for k in (conversations[0] if conversations else {}) if k not in ("input_ids", "labels")]
+    names = ["input_ids", "labels", "seq_lengths"] + ["seq_targets"] * split
+    names += [carried.get(k, f"seq_{k}") for k in others if k == "weight"]
+    names += [carried.get(k, f"seq_{k}") for k in others if k != "weight"]
+    rows = {name: [] for name in names}
+    piece = 0
+    for count in plan.per_row.tolist():
+        row = {name: [] for name in names}
+        for p in range(piece, piece + count):
+            conversation = conversations[plan.source[p]]
+            a, b = int(plan.offset[p]), int(plan.offset[p] + plan.length[p])
+            row["input_ids"] += conversation["input_ids"][a:b]
+            # a piece after a cut repeats the token before it, its label already trained
+            row["labels"] += ([ignore_index] if a else []) + conversation["labels"][a + bool(a) : b]
+            row["seq_lengths"].append(b - a)
+            if split:
+                row["seq_targets"].append(max(int(targets[plan.source[p]]), 1))
+            for key in others:
+                row[carried.get(key, f"seq_{key}")].append(conversation[key])
+        piece += count
+        for name in names:
+            rows[name].append(row[name])
+    return rows, stats

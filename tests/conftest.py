@@ -35,6 +35,6 @@ def no_pending_checks_between_tests():
     a leftover never raises inside the next, unrelated test."""
     from packed_ce import pending
 
-    pending._pending.clear()
+    pending.discard_pending()
     yield
-    pending._pending.clear()
+    pending.discard_pending()

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("datasets")  # the commands load their data with datasets
 import datasets
+import torch
 import transformers
 
 from packed_ce_demo.cli import main
@@ -112,6 +113,26 @@ def test_user_errors_are_one_line_with_status_2(argv, message, tmp_path, capsys,
     assert lines[-1].startswith("packed-ce") and message.format(**paths) in lines[-1]
     assert re.search(r"--[a-z]|argument command", lines[-1]), lines[-1]  # names what to change
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [("gpu0", "`--device` 'gpu0' is not a torch device"),
+     pytest.param("cuda", "`--device` 'cuda': this machine has no CUDA GPU",
+                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here"))],
+)
+def test_a_bad_device_is_one_line_before_any_data_is_read(device, message, capsys, monkeypatch):
+    import packed_ce_demo
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data were read before --device was checked")
+
+    monkeypatch.setattr(packed_ce_demo, "run_demo", refuse)
+    monkeypatch.setattr(packed_ce_demo, "offline_unless_reachable", refuse)
+    status = main(["demo", "--device", device, "--dataset", "some/hub-name"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("packed-ce demo: error: ") and message in lines[0]
 
 
 def test_a_folder_without_a_tokenizer_is_named(tmp_path, capsys):

@@ -270,12 +270,17 @@ def test_tokenize_dataset_counts_skipped_conversations(caplog):
 
     tokenizer = build_tokenizer(FORMATS["chatml"])
     only_user = [{"role": "user", "content": "anyone?"}]
-    dataset = Dataset.from_dict({"messages": [MULTI_TURN, only_user, WITH_TOOLS[:3], only_user]})
+    dataset = Dataset.from_dict({"messages": [MULTI_TURN, only_user, WITH_TOOLS[:3], only_user],
+                                 "weight": [2.0, 1.0, 0.5, 3.0], "source": ["a", "b", "c", "d"], "id": [10, 11, 12, 13]})
     with caplog.at_level("WARNING", logger="collators.chat"):
         tokenized = tokenize_dataset(dataset, tokenizer)
     assert "Skipped 2 of 4 conversations" in caplog.text
-    assert tokenized.column_names == ["input_ids", "labels"]
-    assert tokenized[0] == tokenize_conversation(tokenizer, MULTI_TURN)
-    assert tokenized[1] == tokenize_conversation(tokenizer, WITH_TOOLS[:3])
+    # Every other column stays beside the tokens, on the rows of the kept conversations.
+    assert tokenized.column_names == ["weight", "source", "id", "input_ids", "labels"]
+    assert tokenized[0] == {"weight": 2.0, "source": "a", "id": 10, **tokenize_conversation(tokenizer, MULTI_TURN)}
+    assert tokenized[1] == {"weight": 0.5, "source": "c", "id": 12,
+                            **tokenize_conversation(tokenizer, WITH_TOOLS[:3])}
+    with pytest.raises(ValueError, match=r"already has the column\(s\) \['labels'\]"):
+        tokenize_dataset(dataset.add_column("labels", [[1]] * 4), tokenizer)
     with pytest.raises(ValueError, match="no assistant turn"):
         tokenize_dataset(dataset, tokenizer, skip_no_assistant=False)

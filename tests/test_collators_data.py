@@ -3,9 +3,11 @@
 import doctest
 import importlib
 import json
+import sys
 
 import pytest
 
+import collators
 from collators import (
     PackedCollator,
     load_default_dataset,
@@ -87,3 +89,12 @@ def test_docstring_examples(module, tokenizer, cache_dir, monkeypatch):
     monkeypatch.setenv("PACKED_CE_CACHE", str(cache_dir))
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("loader", ["load_default_dataset", "load_default_tokenizer"])
+@pytest.mark.parametrize("missing", ["chatterbot_corpus", "yaml"])
+def test_a_missing_demo_extra_is_named_with_its_install_command(loader, missing, monkeypatch, tmp_path):
+    """Without the `demo` extra the loaders said `PackageNotFoundError: chatterbot-corpus`."""
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    with pytest.raises(ImportError, match=rf'{loader} needs the `demo` extra .*missing: {missing}.*pip install "packed-ce\[demo\]"'):
+        getattr(collators, loader)(**({"cache_dir": tmp_path} if loader == "load_default_tokenizer" else {}))

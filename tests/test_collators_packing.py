@@ -91,15 +91,16 @@ def test_pack_dataset_small():
         {
             "input_ids": [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]],
             "labels": [[IGNORE, 2, 3], [IGNORE, IGNORE, 6, 7, 8, 9], [IGNORE, 11], [IGNORE, 13, 14, 15, 16]],
-            "messages": ["a", "b", "c", "d"],  # other columns are not carried over
+            "id": ["a", "b", "c", "d"],  # any other column travels to each sequence as seq_<name>
         }
     )
     packed, stats = pack_dataset(dataset, max_length=8, return_stats=True)
-    assert packed.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "seq_id"]
     assert packed[:] == {
         "input_ids": [[4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 1, 2, 3]],
         "labels": [[IGNORE, IGNORE, 6, 7, 8, 9, IGNORE, 11], [IGNORE, 13, 14, 15, 16, IGNORE, 2, 3]],
         "seq_lengths": [[6, 2], [5, 3]],
+        "seq_id": [["b", "c"], ["d", "a"]],
     }
     assert (stats.num_rows, stats.num_tokens, stats.efficiency) == (2, 16, 1.0)
     # The same rows collated: boundaries from seq_lengths.

@@ -29,18 +29,21 @@ def test_two_ranks_exact():
     rank0, rank1 = shard_batch(batch, 0, 2), shard_batch(batch, 1, 2)
     # Rank 0: chunks 0 and 3 (tokens 0-3 and 12-15); rank 1: chunks 1 and 2 (tokens 4-7 and 8-11).
     assert rank0["input_ids"].tolist() == [[1, 2, 3, 4, 13, 14, 15, 16]]
+    assert rank0["labels"].tolist() == batch["labels"][:, [0, 1, 2, 3, 12, 13, 14, 15]].tolist()
     assert rank0["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert rank0["shift_labels"].tolist() == [[IGNORE, IGNORE, IGNORE, 5, 14, 15, 16, IGNORE]]
     assert rank0["cu_seqlens"].tolist() == [0, 4, 8] and rank0["cu_seqlens"].dtype == torch.int32
     assert rank0["seq_targets"].tolist() == [2, 3] and rank0["seq_targets"].dtype == torch.int32
-    assert rank0["seq_weights"].tolist() == [1.0, 0.5] and rank0["seq_weights"].dtype == torch.float32
+    assert rank0["seq_weights"].tolist() == [1.0, 0.5] and rank0["seq_weights"].dtype == torch.float64
     assert rank1["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
     assert rank1["position_ids"].tolist() == [[4, 5, 0, 1, 2, 3, 4, 5]]
     assert rank1["shift_labels"].tolist() == [[6, IGNORE, IGNORE, 9, 10, 11, 12, IGNORE]]
     assert rank1["cu_seqlens"].tolist() == [0, 2, 4, 8]
     assert rank1["seq_targets"].tolist() == [2, 4, 4]
     assert rank1["seq_weights"].tolist() == [1.0, 2.5, 2.5]
-    assert set(rank0) == {"input_ids", "position_ids", "shift_labels", "cu_seqlens", "seq_targets", "seq_weights"}
+    assert set(rank0) == {
+        "input_ids", "labels", "position_ids", "shift_labels", "cu_seqlens", "seq_targets", "seq_weights"
+    }
 
 
 def local_weighted_sum(table, shard, logits=None):

@@ -379,6 +379,59 @@ def test_nothing_to_learn_gives_zero_not_nan(backend_device, reduction, case):
     assert torch.isfinite(grad).all() and not grad.any()
 
 
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_logits_near_float32s_limit_without_z_loss(backend_device, per_sequence_loss):
+    """Logits of ~3e19 square to inf in float32: with ``z_loss_scale=0`` the unused z-term must
+    not turn the finite loss into ``0 * inf = NaN`` (the kernel never forms it)."""
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(seed_for_test())
+    labels = torch.randint(0, 64, (12,), generator=gen)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    logits = (torch.randn(12, 64, generator=gen, dtype=torch.float64) * 3e19).float()
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(
+            x, labels.to(device), cu_seqlens=cu.to(device), is_packed=True, backend=backend
+        ),
+        logits.to(device),
+    )
+    expected, expected_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels, [(0, 5), (5, 12)], is_packed=True, shift=False),
+        logits.double(),
+    )
+    assert expected.abs() > 1e18  # the case: a loss of the logits' scale, far from float32's limit
+    assert_close(loss, expected, torch.float32)
+    assert_close(grad, expected_grad, torch.float32)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_nan_logits_of_a_sequence_weighing_zero_stay_out(backend_device, per_sequence_loss):
+    """A sequence with ``seq_weights`` 0 is never read (the kernel skips its rows): NaN logits
+    there give the other sequences' loss and gradients, and zero gradients in its rows."""
+    backend, device = backend_device
+    gen = torch.Generator().manual_seed(seed_for_test())
+    labels = torch.randint(0, 64, (15,), generator=gen)
+    slices, weights = [(0, 5), (5, 9), (9, 15)], [1.5, 0.0, 2.0]
+    cu = torch.tensor([0, 5, 9, 15], dtype=torch.int32)
+    logits = torch.randn(15, 64, generator=gen)
+    poisoned = logits.clone()
+    poisoned[5:9] = float("nan")
+    loss, grad = _loss_and_grad(
+        lambda x: packed_ce.cross_entropy(
+            x, labels.to(device), cu_seqlens=cu.to(device), is_packed=True, shift=True,
+            seq_weights=torch.tensor(weights, device=device), backend=backend,
+        ),
+        poisoned.to(device),
+    )
+    # the reference on finite logits: the weightless sequence's values do not matter
+    expected, expected_grad = _loss_and_grad(
+        lambda x: per_sequence_loss(x, labels, slices, is_packed=True, shift=True, seq_weights=weights),
+        logits.double(),
+    )
+    assert_close(loss, expected, torch.float32)
+    assert_close(grad, expected_grad, torch.float32)
+    assert not grad[5:9].any()
+
+
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_none_with_long_ignored_runs_keeps_gradients(device):
     """A long ignored run must not zero the gradients of the targets after it."""

@@ -92,9 +92,36 @@ def test_pack_saves_the_rows_and_prints_the_statistics(tmp_path, capsys):
     assert main(["pack", "--max-length", "512", "--output", str(output)]) == 0
     out = capsys.readouterr().out
     packed = datasets.load_from_disk(str(output))
-    assert packed.column_names == ["input_ids", "labels", "seq_lengths"]
+    # the corpus's `category` travels with each conversation
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "seq_category"]
     assert max(len(row) for row in packed["input_ids"]) <= 512
     assert f"into {packed.num_rows:,} rows of 512 tokens" in out and "efficiency" in out
+
+
+def test_pack_keeps_weight_and_source(tmp_path, capsys):
+    """A data set's `weight` and `source` reach every packed sequence as `seq_weights` / `seq_sources`."""
+    chats = [("Hi", "Hello", 2.0, "greetings"), ("How are you?", "Fine, thanks.", 0.5, "smalltalk"),
+             ("Bye", "Goodbye", 1.0, "greetings")]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                    "weight": w, "source": s}) + "\n" for q, a, w, s in chats))
+    output = tmp_path / "packed"
+    assert main(["pack", "--dataset", str(path), "--max-length", "64", "--output", str(output)]) == 0
+    packed = datasets.load_from_disk(str(output))
+    assert packed.column_names == ["input_ids", "labels", "seq_lengths", "seq_weights", "seq_sources"]
+    # each sequence's weight and source are its conversation's, found by its first assistant token
+    import collators
+
+    tokenizer = collators.load_default_tokenizer()
+    found = []
+    for row in packed:
+        start = 0
+        for length, weight, source in zip(row["seq_lengths"], row["seq_weights"], row["seq_sources"]):
+            text = tokenizer.decode(row["input_ids"][start : start + length])
+            found.append((next(q for q, *_ in chats if q in text), weight, source))
+            start += length
+    assert sorted(found) == sorted((q, w, s) for q, _, w, s in chats)
 
 
 def test_help_explains_every_option():

@@ -4,6 +4,11 @@ and a packed batch stays exact whatever the model call.
 - a model with the packed loss under the stock ``Trainer`` (a token-count normaliser) and under
   trl's ``SFTTrainer`` (its fused head never calls the loss): ValueError naming the trainer to
   use; a class mixing ``PackedTrainer`` with ``SFTTrainer`` trains the packed mean;
+- each guard on its own, on the installed trl (a guard that goes quiet on a new release is a
+  silent wrong objective): the trainers' callback, trl's fused LM head past it (on a plain and a
+  PEFT model), trl's ``fused_lm_head`` keyword reaching the installed forward; every private
+  trl / transformers name the trainers rely on (``integrations/seams.py``) still exists, the
+  ``trl`` extra pins the tested range and an untested trl warns; no stack-frame inspection;
 - a packed batch with the model's default ``use_cache=True``, an explicit ``use_cache=True`` or
   an all-ones ``attention_mask``: the loss of every conversation alone (the same calls without
   the packed loss's pre-hook let conversations attend to each other, shown by the test);
@@ -88,6 +93,115 @@ def test_stock_sft_trainer_with_the_packed_loss_is_refused(tmp_path):
     trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
     with pytest.raises(ValueError, match="PackedSFTTrainer instead of trl.SFTTrainer"):
         trainer.train()
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "peft"])
+def test_trl_fused_lm_head_past_the_trainer_guard_is_refused(wrapper, tmp_path):
+    """Without the callback that refuses stock trainers, trl's fused LM head (a wrapper of the
+    installed forward that runs the decoder and trl's token mean) is refused by the decoder's
+    pre-hook: on the model itself and inside a PEFT adapter, which calls ``forward`` directly."""
+    trl = pytest.importorskip("trl")
+    from packed_ce.integrations.installation import base_model
+    from packed_ce.integrations.seams import RefuseOtherTrainers
+
+    model = apply_packed_loss(tiny_model("llama", 3072))
+    if wrapper == "peft":
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
+    trainer.remove_callback(RefuseOtherTrainers)
+    with pytest.raises(ValueError, match="runs its decoder and computes its own token mean"):
+        trainer.train()
+    decoder = base_model(model).get_decoder()
+    assert decoder.training
+    with torch.no_grad():  # a pass without gradients trains nothing: it runs
+        decoder(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_trl_fused_lm_head_keyword_is_refused(tmp_path):
+    """The packed loss installed after trl's fused head: trl's ``fused_lm_head=True`` reaches the
+    installed forward first and is refused there."""
+    trl = pytest.importorskip("trl")
+    from packed_ce.integrations.seams import RefuseOtherTrainers
+
+    model = tiny_model("llama", 3072)
+    trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
+    apply_packed_loss(model)
+    trainer.remove_callback(RefuseOtherTrainers)
+    with pytest.raises(ValueError, match="fused_lm_head=True computes trl's own token mean"):
+        trainer.train()
+
+
+def test_private_seams_exist_in_the_installed_versions(tmp_path):
+    """Every private trl / transformers name listed in ``seams.py`` is still there: an override
+    of a method trl no longer calls would silently do nothing."""
+    import importlib
+
+    trl = pytest.importorskip("trl")
+    from packed_ce.integrations import PackedSFTTrainer
+    from packed_ce.integrations.seams import PRIVATE_SEAMS
+
+    trainer = sft_trainer(PackedSFTTrainer, tiny_model("llama", 3072), tmp_path)
+    assert isinstance(trainer, trl.SFTTrainer)
+    for seam in PRIVATE_SEAMS:
+        module, _, attribute = seam.owner.rpartition(".")
+        owner = getattr(importlib.import_module(module), attribute)
+        # a method or class field on the owner, or an attribute its __init__ sets
+        found = hasattr(owner, seam.name) or (isinstance(owner, type) and seam.name in vars(trainer))
+        assert found, f"{seam.owner}.{seam.name} is gone from the installed version ({seam.why})"
+
+
+def test_trl_extra_pins_the_tested_range():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+
+    trl = pytest.importorskip("trl")
+    from packed_ce.integrations.seams import TRL_TESTED
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert f"trl{TRL_TESTED}" in pyproject["project"]["optional-dependencies"]["trl"]
+    # a new trl: check every place in seams.py against it, then widen TRL_TESTED
+    assert SpecifierSet(TRL_TESTED).contains(trl.__version__, prereleases=True), trl.__version__
+
+
+@pytest.mark.parametrize("version", ["installed", "1.17.0", "1.15.2"])
+def test_untested_trl_warns_once_at_construction(version, tmp_path, monkeypatch):
+    import warnings
+
+    trl = pytest.importorskip("trl")
+    from packed_ce.integrations import PackedSFTTrainer
+
+    if version != "installed":
+        monkeypatch.setattr(trl, "__version__", version)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sft_trainer(PackedSFTTrainer, tiny_model("llama", 3072), tmp_path)
+    untested = [w for w in caught if "is tested with trl" in str(w.message)]
+    if version == "installed":
+        assert not untested
+    else:
+        assert len(untested) == 1
+        assert f"trl>=1.16,<1.17 (pip install 'packed-ce[trl]'), this is trl {version}" in str(
+            untested[0].message
+        )
+
+
+def test_no_stack_frame_inspection_in_the_library():
+    """The seams decide from what a call carries, never from a caller's frame."""
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    words = ("_getframe", "inspect.stack", "inspect.currentframe", "f_back", "f_locals")
+    found = [
+        f"{path.relative_to(root)}: {word}"
+        for folder in ("packed_ce", "collators")
+        for path in sorted((root / folder).rglob("*.py"))
+        for word in words
+        if word in path.read_text()
+    ]
+    assert not found
 
 
 def test_packed_trainer_mixed_with_sft_trainer_trains_the_packed_mean(tmp_path):

@@ -13,13 +13,13 @@ Tolerance: ``BF16_RTOL`` = 5e-3, relative. Both sides compute in bf16 (8 signifi
 rounding of 2**-9 = 2e-3 relative per value): a packed row and a conversation alone round their
 activations at different shapes (sdpa over one block-diagonal row or one short causal one), and
 the fused head accumulates its logits in float32 where the reference's head rounds them to bf16.
-The test also asserts that the token mean of the same step is more than ``SEPARATION`` times the
-tolerance away (weights of standard deviation 0.5 make the per-token losses uneven), so that a
-trainer on the wrong objective cannot pass. The adapter's gradients of the step (bf16
-parameters, as trl keeps a quantized model's adapter) are compared with the reference's within
-``BF16_GRAD_RTOL`` = 0.1 norm-wise: sums over every token in bf16 differ by about 1.5e-2 (CPU),
-and the check is there for a gradient path that is lost (an error of order 1), which the loss
-alone would not show.
+On the CPU the two differ by 1.5e-4. The test also asserts that the token mean of the same step
+is more than ``SEPARATION`` times the tolerance away (4e-2 here: weights of standard deviation
+0.2 make the per-token losses uneven), so that a trainer on the wrong objective cannot pass. The
+adapter's gradients of the step (bf16 parameters, as trl keeps a quantized model's adapter) are
+compared with the reference's within ``BF16_GRAD_RTOL`` = 0.1 norm-wise: sums over every token
+in bf16 differ by 2e-2 to 3e-2 (CPU), and the check is there for a gradient path that is lost
+(an error of order 1), which the loss alone would not show.
 
 Runs on CPU where bitsandbytes is installed (its CPU kernels) and, marked ``cuda``, on a GPU.
 """
@@ -53,9 +53,9 @@ VOCAB = 256
 BF16_RTOL = 5e-3
 BF16_GRAD_RTOL = 0.1
 SEPARATION = 3.0
-# hidden and intermediate sizes multiples of nf4's block of 64 values; initializer_range 0.5 (std
+# hidden and intermediate sizes multiples of nf4's block of 64 values; initializer_range 0.2 (std
 # of every weight) spreads the per-token losses, so that the two means of a batch differ
-FIELDS = dict(hidden_size=128, intermediate_size=256, initializer_range=0.5)
+FIELDS = dict(hidden_size=128, intermediate_size=256, initializer_range=0.2)
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),
@@ -140,7 +140,7 @@ def test_qlora_first_step_is_the_per_conversation_mean(device, quantized_head, t
         assert type(head) is torch.nn.Linear
         assert fusable_reason(model) is None  # the head is not quantized: the fused loss serves
 
-    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=5)
+    conversations = synthetic_conversations(SFT_LENGTHS, VOCAB, seed=3)  # each has a target
     trainer = PackedSFTTrainer(
         model=model,
         args=sft_args(

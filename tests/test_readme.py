@@ -49,6 +49,32 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
 
 
+README_BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("index", range(len(README_BLOCKS)))
+def test_every_readme_example_names_its_extras(index):
+    """A first line `# extras: ...` names every extra the block needs: `demo` for the default
+    tokenizer and data, `trl` for trl and peft."""
+    code = README_BLOCKS[index]
+    first = code.splitlines()[0]
+    assert first.startswith("# extras: "), first
+    if "load_default_" in code:
+        assert "demo" in first, first
+    if re.search(r"^(from|import) (trl|peft)\b", code, flags=re.M):
+        assert "trl" in first, first
+
+
+def test_the_cpu_install_route_is_one_line():
+    """On a CPU, an unpinned torch pulls several GB of CUDA packages: the README's install
+    section shows the CPU build first, then the package, in one line."""
+    install = re.search(r"## Install\n(.*?)\n## ", (ROOT / "README.md").read_text(), flags=re.S).group(1)
+    assert any(
+        "download.pytorch.org/whl/cpu" in line and line.index("whl/cpu") < line.index('pip install ".[')
+        for line in install.splitlines()
+    ), install
+
+
 def _github_anchor(heading: str) -> str:
     """The anchor GitHub gives a heading: lower case, punctuation other than ``-`` and ``_``
     dropped, spaces turned into hyphens."""

@@ -180,18 +180,27 @@ def test_moe_router_loss_is_added_as_trl_adds_it(arch, tmp_path):
 SPLIT_LENGTHS = [40, 12, 18, 33, 7, 16, 5, 22]
 
 
-def weighted_data(seed=9):
+def weighted_data(seed=9, scale=None):
+    """Conversations, their weights, sources and the data set, whose `weight` column holds each
+    weight times ``scale[source]`` (a source's scale; default 1)."""
     conversations = synthetic_conversations(SPLIT_LENGTHS, VOCAB, seed=seed)
     weights = [1.0, 2.0, 0.5, 3.0, 0.0, 1.0, 1.5, 2.5]
     sources = ["chat", "code", "chat", "math", "code", "chat", "math", "code"]
-    rows = [{**c, "weight": w, "source": s} for c, w, s in zip(conversations, weights, sources)]
+    scale = scale or {}
+    rows = [{**c, "weight": w * scale.get(s, 1.0), "source": s}
+            for c, w, s in zip(conversations, weights, sources)]
     return conversations, weights, sources, Dataset.from_list(rows)
 
 
-def check_weighted_step(trainer, model, reference):
-    """One step of ``trainer`` on :func:`weighted_data`: the parameters, the logged ``loss`` and
-    every ``loss/<source>`` against each conversation alone (weighted)."""
+def check_weighted_step(trainer, model, reference, scale=None):
+    """One step of ``trainer`` on :func:`weighted_data` (with ``scale``): the parameters, the
+    logged ``loss`` and every ``loss/<source>`` against each conversation alone (weighted)."""
     conversations, weights, sources, _ = weighted_data()
+    # the weights relative to the heaviest source's scale: the mean does not depend on their
+    # scale, and the float32 reference could not hold 1e-46 or 1e39
+    relative = {s: (scale or {}).get(s, 1.0) for s in sources}
+    relative = {s: r / max(relative.values()) for s, r in relative.items()}
+    weights = [w * relative[s] for w, s in zip(weights, sources)]
     initial = snapshot(model)
     trainer.train()
     loss = per_conversation_sgd_step(reference, conversations, weights=weights)
@@ -226,6 +235,45 @@ def test_weights_sources_and_split_packing(layout, tmp_path):
         pieces = [n for row in trainer.train_dataset["seq_lengths"] for n in row]
         assert len(pieces) > len(conversations) and max(pieces) <= 24  # conversations were split
     check_weighted_step(trainer, model, reference)
+
+
+# Weights of one scale below float32's range (1e-46), above it (1e39): carried in float64, the
+# step is the unweighted-scale mean; one source 2**-60 times lighter than the others: it trains
+# (a little) and keeps its loss/<source>.
+SCALES = {"1e-46": {s: 1e-46 for s in ("chat", "code", "math")},
+          "1e39": {s: 1e39 for s in ("chat", "code", "math")},
+          "chat 2**-60": {"chat": 2.0**-60}}
+
+
+@pytest.mark.parametrize("scale", SCALES.values(), ids=SCALES.keys())
+@pytest.mark.parametrize("trainer_kind", ["sft", "packed"])
+def test_weights_beyond_float32_are_exact(scale, trainer_kind, tmp_path):
+    *_, dataset = weighted_data(scale=scale)
+    model = tiny_causal_lm(VOCAB, num_hidden_layers=0)
+    reference = copy.deepcopy(model)
+    if trainer_kind == "sft":
+        trainer = make_trainer(model, dataset, tmp_path, padding_free=True, max_length=None,
+                               per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    else:
+        rows = collators.pack_dataset(dataset, max_length=24, overflow="split")
+        trainer = packed_trainer(apply_packed_loss(model), rows, tmp_path, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=-(-rows.num_rows // 4))
+    check_weighted_step(trainer, model, reference, scale)
+
+
+@pytest.mark.parametrize("trainer_kind", ["sft", "packed"])
+def test_weights_too_far_apart_are_refused_by_row(trainer_kind, tmp_path):
+    """A source of 1e-30 beside 1e30 would train nothing and lose its `loss/<source>` (its share
+    of a step underflows float32): refused at the column check, naming the row."""
+    *_, dataset = weighted_data(scale={"chat": 1e-30, "code": 1e30, "math": 1e30})
+    model = tiny_causal_lm(VOCAB, num_hidden_layers=0)
+    if trainer_kind == "sft":
+        with pytest.raises(ValueError, match=r"`train_dataset\[\d\]\['weight'\]` is 5e-31, more than 2\*\*64"):
+            make_trainer(model, dataset, tmp_path, padding_free=True, max_length=None)
+    else:
+        rows = collators.pack_dataset(dataset, max_length=24, overflow="split")
+        with pytest.raises(ValueError, match=r"`train_dataset\[\d+\]\['seq_weights'\]\[\d\]` is 5e-31, more than 2\*\*64"):
+            packed_trainer(apply_packed_loss(model), rows, tmp_path)
 
 
 def test_stock_trl_differs_on_weighted_data(tmp_path):

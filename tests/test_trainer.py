@@ -107,6 +107,7 @@ def train(trainer_class, rows, collator, tmp_path, *, fused_linear=False):
         train_dataset=rows,
         data_collator=collator,
         optimizers=sgd(model),
+        skip_no_assistant=True,  # packed_rows() holds conversations without a target: they weigh 0
     )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -170,6 +171,7 @@ def test_packed_trainer_keeps_seq_lengths_column(truth, tmp_path):
         args=training_args(tmp_path),
         train_dataset=shared,
         data_collator=PackedCollator(),
+        skip_no_assistant=True,  # conversations without a target stay in their rows
     )
     assert trainer.args.remove_unused_columns
     batch = next(iter(trainer.get_train_dataloader()))
@@ -201,10 +203,11 @@ def test_bad_label_raises_before_the_optimiser_step(truth, tmp_path, monkeypatch
         train_dataset=bad,
         data_collator=PackedCollator(),
         optimizers=sgd(model),
+        skip_no_assistant=True,  # conversations without a target stay in their rows
     )
     with pytest.raises(ValueError, match="labels must be in"):
         trainer.train()
-    assert pending._pending == []
+    assert pending.pending_count() == 0
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), initial[name]), f"{name} was stepped on bad input"
 
@@ -259,22 +262,24 @@ def test_split_and_weighted_conversations_keep_their_weight(tmp_path):
     print(f"split + weighted: worst relative parameter-update error {worst:.2e}")
 
 
-def test_weights_keep_their_dtype_where_deepspeed_casts_the_batch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine_dtype", [torch.float32, torch.bfloat16])
+def test_weights_keep_their_dtype_where_deepspeed_casts_the_batch(engine_dtype, tmp_path, monkeypatch):
     """Under DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
-    (bf16 here, stood in for: no DeepSpeed engine is needed to prepare a batch); the weights of
-    the objective stay float32, exactly as collated, while the activations' inputs are cast."""
+    (stood in for: no DeepSpeed engine is needed to prepare a batch); the weights of the
+    objective stay float64, exactly as collated, while the activations' inputs are cast."""
     from types import SimpleNamespace
 
     model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
     trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
-    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(dtype=lambda: torch.bfloat16))
+    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(dtype=lambda: engine_dtype))
     monkeypatch.setattr(trainer, "is_deepspeed_enabled", True)
     monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
-    weights = torch.tensor([0.1, 2.0, 0.7])  # 0.1 and 0.7 are not bf16 numbers
+    # neither float32 (0 and inf) nor bf16 (0.10009765625) holds these weights
+    weights = torch.tensor([1e-46, 0.1, 1e39], dtype=torch.float64)
     batch = {"input_ids": torch.tensor([[5, 6, 7]]), "seq_weights": weights,
              "inputs_embeds": torch.zeros(1, 3, 2)}  # fmt: skip
     prepared = trainer._prepare_inputs(batch)
-    assert prepared["inputs_embeds"].dtype == torch.bfloat16  # the Trainer's cast is on
+    assert prepared["inputs_embeds"].dtype == engine_dtype  # the Trainer's cast is on
     assert prepared["input_ids"].dtype == torch.int64
     torch.testing.assert_close(prepared["seq_weights"], weights, rtol=0, atol=0)
     assert batch["seq_weights"] is weights  # the caller's batch is left as it was

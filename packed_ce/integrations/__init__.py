@@ -9,11 +9,15 @@
   parallelism; :class:`PackedSFTTrainer`: the same for trl's SFTTrainer (both imported on first
   use: ``transformers.Trainer`` and ``trl`` take seconds to import; trl is the ``packed-ce[trl]``
   extra);
+- :func:`enable_context_parallel` / :func:`disable_context_parallel`: each rank of a process group
+  attends over the whole packed row that :func:`collators.shard_batch` cut up, within each
+  conversation, so the ranks' loss shares and gradients add up to one process's;
 - :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops;
 - :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """
 
 from .batch import count_num_items, next_token_targets, sequence_boundaries
+from .context_parallel import disable_context_parallel, enable_context_parallel
 from .fused_forward import fusable_reason
 from .installation import packed_loss_of
 from .loss import PackedCausalLMLoss
@@ -26,6 +30,8 @@ __all__ = [
     "PackedTrainer",
     "apply_packed_loss",
     "count_num_items",
+    "disable_context_parallel",
+    "enable_context_parallel",
     "fusable_reason",
     "next_token_targets",
     "packed_loss_of",

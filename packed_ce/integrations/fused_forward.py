@@ -9,9 +9,10 @@ base model's ``forward`` directly (``self.model.forward(...)``), past the hooks 
 from __future__ import annotations
 
 import functools
-import sys
+import threading
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .hooks import checked_call
@@ -62,6 +63,11 @@ def _own_forward(model: nn.Module, installation: Installation) -> Callable:
     return installation.previous_forward
 
 
+# The packed forwards running in this thread (a depth: a forward may call another model's):
+# the decoder's pre-hook tells a pass through the installed forward from one past it by this.
+_running = threading.local()
+
+
 def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
     """The model's forward on a checked call; the loss from the hidden states where fused.
 
@@ -77,43 +83,39 @@ def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
     ``model`` at call time, so a copy of the model (``copy.deepcopy``) uses its own modules.
     """
     installation = model._packed_ce
-    kwargs = checked_call(model, args, kwargs)
+    kwargs = checked_call(args, kwargs)
     labels = kwargs.get("labels")
     fused = installation.fused_options is not None
-    if not fused or args or labels is None or not model.training:
-        return _own_forward(model, installation)(*args, **kwargs)
-    return _fused_linear_forward(model, installation, kwargs)
+    _running.depth = getattr(_running, "depth", 0) + 1
+    try:
+        if not fused or args or labels is None or not model.training:
+            return _own_forward(model, installation)(*args, **kwargs)
+        return _fused_linear_forward(model, installation, kwargs)
+    finally:
+        _running.depth -= 1
 
 
-# How many frames above the decoder's pre-hook trl's fused forward can be: the hook is called by
-# Module._call_impl, called by Module._wrapped_call_impl, called by trl's forward (a margin).
-_TRL_FRAME_DEPTH = 6
+def refuse_bypass(model: nn.Module, decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The decoder's forward pre-hook: refuses a training pass that skips the packed loss.
 
-
-def refuse_bypass(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The decoder's forward pre-hook: refuses trl's fused LM head on a model with the packed loss.
-
-    trl's ``SFTTrainer`` wraps the model's forward; with ``fused_lm_head=True`` it runs the
-    decoder and its own LM-head loss without calling the forward underneath. Around a PEFT
-    adapter, which calls ``forward`` directly, no check on the model's call sees it, and the
-    step would silently train on trl's token mean; but it runs the decoder, from trl's forward a
-    few frames up, which is found here (training calls only).
+    A wrapper put around the installed forward can run the decoder and a loss of its own
+    without calling the forward underneath: trl's ``SFTTrainer`` does with ``fused_lm_head=True``
+    (its own token mean), and around a PEFT adapter, which calls ``forward`` directly, no check
+    on the model's call sees it. Such a pass is told by what it is, whatever the wrapper's name:
+    the decoder trains with gradients, no packed forward is running in this thread, and
+    ``model.forward`` is no longer the installed one. (A decoder called directly, with the
+    installed forward in place, is the caller's own choice and runs.)
     """
-    if not decoder.training:
+    if not decoder.training or not torch.is_grad_enabled() or getattr(_running, "depth", 0):
         return
-    frame = sys._getframe(1)
-    for _ in range(_TRL_FRAME_DEPTH):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "_fused_forward" and frame.f_locals.get("fused_lm_head"):
-            break
-        frame = frame.f_back
-    else:
+    if model.__dict__.get("forward") is model._packed_ce.forward:
         return
     raise ValueError(
-        "this model has the packed loss (apply_packed_loss), but trl's fused_lm_head=True runs "
-        "its decoder and computes trl's own token mean without calling the packed loss: train "
-        "with packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
+        "this model has the packed loss (apply_packed_loss), but a wrapper of its forward (trl's "
+        "fused_lm_head=True) runs its decoder and computes its own token mean without calling "
+        "the packed loss: train with packed_ce.integrations.PackedSFTTrainer instead of "
+        "trl.SFTTrainer (a decoder called directly for another purpose: under torch.no_grad() "
+        "or in eval mode)"
     )
 
 

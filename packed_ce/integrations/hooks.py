@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 # The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
 # any extra keyword it also reaches the attention functions, which ignore keywords they do not
@@ -33,14 +31,11 @@ def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
     )
 
 
-def checked_call(module: nn.Module, args: tuple, kwargs: dict) -> dict:
+def checked_call(args: tuple, kwargs: dict) -> dict:
     """The keywords of a call of a model with the packed loss, kept on the packed objective.
 
     - ``fused_lm_head=True`` (trl's ``SFTTrainer``) computes trl's own token mean and never calls
       the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
-    - A training call from a ``transformers.Trainer`` that does not count the packed normaliser
-      (the stock ``Trainer`` divides the per-sequence sums by a token count): refused,
-      :class:`PackedTrainer` is the fix.
     - A packed batch (see :func:`_exact_packed_call`) runs without a KV cache and without an
       all-ones ``attention_mask``, either of which would make its sequences attend to each other.
     - ``position_ids`` are handed to the loss when the batch has no ``cu_seqlens``: a causal LM's
@@ -57,39 +52,11 @@ def checked_call(module: nn.Module, args: tuple, kwargs: dict) -> dict:
             "computes trl's own token mean and never calls it: train with "
             "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
         )
-    if module.training and kwargs.get("labels") is not None:
-        _refuse_token_count_trainer()
     kwargs = _exact_packed_call(args, kwargs)
     if kwargs.get("labels") is not None and kwargs.get("position_ids") is not None:
         if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is None:
             kwargs = {**kwargs, POSITION_IDS_KEY: kwargs["position_ids"]}
     return kwargs
-
-
-def _refuse_token_count_trainer() -> None:
-    """Raises when the calling ``transformers.Trainer`` would normalise by a token count.
-
-    The Trainer calls the model from ``compute_loss``; the frames above this one are walked to
-    find it (a few dozen frames at most, only for training calls with labels). The packed
-    trainers carry ``counts_packed_items = True``.
-    """
-    if "transformers.trainer" not in sys.modules:
-        return
-    trainer_class = sys.modules["transformers.trainer"].Trainer
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "compute_loss":
-            trainer = frame.f_locals.get("self")
-            if isinstance(trainer, trainer_class):
-                if getattr(trainer, "counts_packed_items", False):
-                    return
-                raise ValueError(
-                    f"this model has the packed loss (apply_packed_loss), but "
-                    f"{type(trainer).__name__} normalises each micro-batch by a token count, so it "
-                    "would train on another objective (per-sequence sums over tokens): use "
-                    "packed_ce.integrations.PackedTrainer (or PackedSFTTrainer for trl)"
-                )
-        frame = frame.f_back
 
 
 def _exact_packed_call(args: tuple, kwargs: dict) -> dict:

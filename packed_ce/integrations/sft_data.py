@@ -6,8 +6,6 @@ no column beside the tokens when packing, cuts ``bfd_split`` pieces without repe
 the cut (so the target there is lost), and refuses ``assistant_only_loss`` for a chat template
 without ``{% generation %}`` markers. Here:
 
-- :func:`check_columns` refuses a bad ``weight`` / ``source`` value by row, before any
-  tokenisation;
 - :func:`assistant_labels` tokenises conversations with :func:`collators.tokenize_conversation`
   (the assistant turns and the tokens that end them are trained, under any template);
 - :func:`pack` packs with :func:`collators.pack_dataset`, which carries ``weight`` (as
@@ -25,36 +23,8 @@ from typing import Any
 import torch
 
 from collators.collate import sequence_sources, sequence_weights
-from collators.packing import SOURCE_COLUMN as SOURCE
-from collators.packing import WEIGHT_COLUMN as WEIGHT
-
+from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
 from .trainer import ROW_COLUMNS, SOURCES_KEY
-
-
-def check_columns(dataset, name: str) -> None:
-    """Checks the optional ``weight`` and ``source`` columns of a data set, row by row.
-
-    Args:
-        dataset: a ``datasets.Dataset`` (an ``IterableDataset`` is not read here).
-        name: how the data set is called in errors (``train_dataset``).
-
-    Raises:
-        TypeError / ValueError naming the row: a weight that is not a real number, or is NaN,
-        infinite or negative (0 removes a conversation); a source that is not a string.
-    """
-    from collators.checks import conversation_weight
-
-    columns = getattr(dataset, "column_names", None) or []
-    if WEIGHT in columns:
-        for row, weight in enumerate(dataset[WEIGHT]):
-            conversation_weight(weight, f"{name}[{row}][{WEIGHT!r}]")
-    if SOURCE in columns:
-        for row, source in enumerate(dataset[SOURCE]):
-            if not isinstance(source, str):
-                raise TypeError(
-                    f"`{name}[{row}][{SOURCE!r}]` must be a string naming the conversation's data "
-                    f"source, got {type(source).__name__} {source!r}."
-                )
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
@@ -80,11 +50,18 @@ def pack(dataset, max_length: int, strategy: str):
     A piece after a cut repeats the token before the cut with label -100, so every target is
     trained exactly once, and carries its conversation's target count (``seq_targets``), so the
     conversation weighs as if it had not been split.
+
+    As trl's own packer, it packs the tokens only, with the ``weight`` and ``source`` columns the
+    trainer reads: trl's tokenised data set still holds the raw conversations (``messages``,
+    ``prompt``, ...), which packed rows cannot carry.
     """
     import collators
 
     overflow = "split" if strategy == "bfd_split" else "truncate"
-    return collators.pack_dataset(dataset, max_length, overflow=overflow)
+    # an IterableDataset may not know its columns before its first row
+    names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
+    columns = [c for c in ("input_ids", "labels", WEIGHT_COLUMN, SOURCE_COLUMN) if c in names]
+    return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
 
 
 class SequenceColumns:
@@ -135,6 +112,6 @@ class SequenceColumns:
         batch["cu_seqlens"] = cu_seqlens
         if targets:  # pieces of split conversations (every row of a split packing)
             batch["seq_targets"] = torch.tensor(targets + [1] * padding, dtype=torch.int32)
-        batch["seq_weights"] = torch.tensor(weights + [0.0] * padding)
+        batch["seq_weights"] = torch.tensor(weights + [0.0] * padding, dtype=torch.float64)
         batch[SOURCES_KEY] = sources + [None] * padding
         return batch

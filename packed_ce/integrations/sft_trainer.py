@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import datasets
 import torch
 from trl import SFTTrainer
 from trl.chat_template_utils import has_generation_markers
@@ -31,7 +32,10 @@ from . import sft_data
 from .fused_forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
-from .trainer import PackedNormaliserMixin, _datasets, _sources_of, refuse_token_mean_options
+from . import data_checks
+from .data_checks import check_datasets, skip_or_refuse_without_targets
+from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
+from .seams import warn_if_untested_trl
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -60,9 +64,18 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     - A string ``source`` column: ``loss/<source>`` is logged beside ``loss``, the mean over that
       source's conversations in the logging window (weighted by ``weight``) of their mean token
       loss, gathered over processes, from the loss's own pass (training only).
+    - Context parallelism (``parallelism_config=ParallelismConfig(cp_size=K)`` with
+      ``padding_free=True``): the ``K`` ranks of a group share each batch's row, attention kept
+      within each conversation (:func:`enable_context_parallel`).
     - ``assistant_only_loss=True`` under a chat template without ``{% generation %}`` markers:
       the assistant turns and the tokens that end them are trained
       (:func:`collators.tokenize_conversation`).
+
+    - ``skip_no_assistant`` (keyword, default False; the name :func:`collators.tokenize_dataset`
+      uses): a conversation without a target (no assistant turn under ``assistant_only_loss``, an
+      empty completion, no target left after trl's truncation) is an error naming its row, found
+      before tokenising where the messages tell; with True such conversations are skipped and
+      counted in a logged warning. An empty data set is an error naming it.
 
     Logged like trl: ``loss``, ``entropy`` and ``mean_token_accuracy`` (token means over the
     targets, as trl defines them), ``num_tokens``, ``aux_loss`` for MoE models; the metrics come
@@ -72,8 +85,11 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         ValueError / TypeError, before any data is tokenised, for options that cannot give the
             per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
             ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
-            ``compute_loss_func``, ``packing_strategy="wrapped"``, context or sequence
-            parallelism, a bad ``weight`` or ``source`` value (naming its row); and those of
+            ``compute_loss_func``, ``packing_strategy="wrapped"``, sequence parallelism,
+            context parallelism without ``padding_free=True, packing=False``, a bad ``weight`` or
+            ``source`` value (naming its row), weights that cannot be carried or are all 0
+            (:func:`data_checks.check_columns`), an empty data set, a conversation without a
+            target (see ``skip_no_assistant``); and those of
             :class:`PackedTrainer`.
 
     Example:
@@ -85,14 +101,16 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         >>> trainer.train()                                                     # doctest: +SKIP
     """
 
-    def __init__(self, *args, **kwargs):
-        bound = _SIGNATURE.bind(self, *args, **kwargs).arguments
+    def __init__(self, *args, skip_no_assistant: bool = False, **kwargs):
+        warn_if_untested_trl()
+        signature = _SIGNATURE.bind(self, *args, **kwargs)
+        bound = signature.arguments
         config = bound.get("args")
         if config is not None:
             _refuse_inexact_options(config, bound.get("compute_loss_func"))
-        for name in ("train_dataset", "eval_dataset"):
-            for dataset in _datasets(bound.get(name)):
-                sft_data.check_columns(dataset, name)
+        assistant_only = config is not None and config.assistant_only_loss
+        check_datasets(bound, type(self).__name__, skip_no_assistant, assistant_only=assistant_only)
+        self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = _sources_of(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
@@ -105,7 +123,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if self._own_assistant_labels:  # trl's own check is kept from refusing the template
             config.assistant_only_loss = False
         try:
-            super().__init__(*args, **kwargs)
+            super().__init__(*signature.args[1:], **signature.kwargs)
         finally:
             if self._own_assistant_labels:
                 config.assistant_only_loss = True
@@ -133,9 +151,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
             dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
-            return super()._prepare_dataset(
-                dataset, processing_class, args, packing, formatting_func, name
+            given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
+            prepared = super()._prepare_dataset(
+                data_checks.numbered(dataset), processing_class, args, packing, formatting_func, name
             )
+            prepared = data_checks.skip_or_refuse_dropped(
+                prepared, given, f"{name}_dataset", type(self).__name__, self._skip_no_assistant,
+                args.max_length,
+            )
+            return self._without_targets(prepared, name)
         if args.max_length is None:
             raise ValueError("PackedSFTTrainer: packing=True needs max_length (the row length)")
         # trl truncates unpacked rows to max_length; here the packer decides what a long
@@ -145,7 +169,15 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         unpacked = super()._prepare_dataset(
             dataset, processing_class, whole, False, formatting_func, name
         )
+        unpacked = self._without_targets(unpacked, name)
         return sft_data.pack(unpacked, args.max_length, args.packing_strategy)
+
+    def _without_targets(self, prepared, name: str):
+        """The prepared rows, checked for a target each (trl's truncation, an empty completion):
+        skipped with ``skip_no_assistant``, else ValueError naming the first row without one."""
+        return skip_or_refuse_without_targets(
+            prepared, f"{name}_dataset", type(self).__name__, self._skip_no_assistant
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step
@@ -201,8 +233,16 @@ def _refuse_inexact_options(args, compute_loss_func) -> None:
             "use packing_strategy='bfd' or 'bfd_split'"
         )
     parallelism = getattr(args, "parallelism_config", None)
-    if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
+    if parallelism is not None and parallelism.sp_enabled:
         raise ValueError(
-            "PackedSFTTrainer does not support context or sequence parallelism "
-            "(parallelism_config): a conversation cut across ranks needs its whole target count"
+            "PackedSFTTrainer does not support sequence parallelism (parallelism_config.sp_size): "
+            "use context parallelism (cp_size), which keeps packed conversations apart"
         )
+    if parallelism is not None and parallelism.cp_enabled:
+        if args.packing or args.eval_packing or not args.padding_free:
+            raise ValueError(
+                "PackedSFTTrainer with context parallelism (parallelism_config.cp_size > 1) needs "
+                "padding_free=True and packing=False (eval_packing=False): each batch's "
+                "conversations are laid into one row that the ranks share, conversations kept "
+                "apart (trl's pre-packed data sets are refused by trl itself under cp_size > 1)"
+            )

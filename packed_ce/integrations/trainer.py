@@ -21,6 +21,9 @@ batch. The Trainer's own count is the number of target tokens, right for ``is_pa
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 from transformers import Trainer, TrainerCallback
 
@@ -28,8 +31,11 @@ from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
 
 from ..pending import check_pending
 from .batch import count_num_items
+from .context_parallel import context_parallel_of, enable_context_parallel, shard_for_rank
+from .data_checks import check_datasets
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
+from .seams import RefuseOtherTrainers
 
 # The batch key of each sequence's data source (collators.PackedCollator, PackedSFTTrainer's
 # collator): a list of str or None, aligned with the batch's cu_seqlens.
@@ -39,8 +45,9 @@ SOURCES_KEY = "seq_sources"
 ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, WEIGHT_COLUMN, SOURCE_COLUMN)
 # Batch keys of floating tensors that are part of the objective, not activations: under
 # DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
-# (Trainer._prepare_input), and in bf16 a weight of 0.1 would weigh 0.10009765625 while the
-# step's normaliser is counted from the weights as collated.
+# (Trainer._prepare_input), and the float64 weights would change while the step's normaliser is
+# counted from them as collated: in float32 a weight of 1e-46 becomes 0 and one of 1e39 inf, in
+# bf16 a weight of 0.1 weighs 0.10009765625.
 EXACT_FLOAT_KEYS = ("seq_weights",)
 
 
@@ -74,11 +81,11 @@ class PackedNormaliserMixin:
     - a MoE model's router loss ``coef * aux`` is added once per micro-batch divided by the
       accumulation steps (as trl adds it), not multiplied by the number of processes;
     - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
-    - ``counts_packed_items`` tells the model's pre-hook (see :func:`apply_packed_loss`) that this
-      trainer may call a model with the packed loss: any other ``Trainer`` is refused.
+    - :class:`RefuseOtherTrainers`, which refuses any other ``Trainer`` on a model with the
+      packed loss, is removed from this one.
     """
 
-    counts_packed_items = True
+    _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
 
@@ -107,9 +114,42 @@ class PackedNormaliserMixin:
                 "normalised over all processes"
             )
         refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
+        self._set_up_context_parallel()
+        self.remove_callback(RefuseOtherTrainers)
         self.add_callback(CheckPendingValues)
         if not self._sources:
             self._sources = _sources_of(self.train_dataset, self.eval_dataset)
+
+    def _set_up_context_parallel(self) -> None:
+        """With ``parallelism_config=ParallelismConfig(cp_size=K)`` (accelerate's), the ``K`` ranks
+        of each context-parallel group share every packed row: :func:`enable_context_parallel`
+        on the group accelerate's device mesh names ``"cp"``; the other dimension is data
+        parallel."""
+        config = getattr(self.accelerator, "parallelism_config", None)
+        if config is None or not config.cp_enabled:
+            return
+        if config.sp_enabled or config.tp_enabled:
+            raise ValueError(
+                f"{type(self).__name__}: context parallelism (cp_size) combines with data "
+                "parallelism only; set tp_size and sp_size to 1"
+            )
+        mesh = self.accelerator.torch_device_mesh["cp"]
+        if context_parallel_of(self.model) is None:
+            enable_context_parallel(self.model, group=mesh.get_group())
+        self._context_parallel = (mesh.get_local_rank(), config.cp_size)
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """This rank's shard of the micro-batch's packed row (:func:`shard_for_rank`), in place of
+        accelerate's ring attention, which is causal over the whole row and would let
+        conversations attend to each other. transformers' ``training_step`` calls it after
+        counting ``num_items_in_batch`` on the whole row."""
+        if self._context_parallel is None:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        rank, size = self._context_parallel
+        loss = packed_loss_of(self.model)
+        return contextlib.nullcontext, shard_for_rank(
+            inputs, rank, size, ignore_index=loss.ignore_index
+        )
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -185,8 +225,10 @@ class PackedNormaliserMixin:
         ids = torch.tensor([index.get(s, -1) for s in sources])
         ids = ids.to(seq_losses.loss.device, non_blocking=True)
         scale = 1.0 if num_items_in_batch is None else num_items_in_batch
-        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)] * scale
-        rows = torch.where((ids >= 0)[:, None], rows, 0.0).to(torch.float64)
+        # float64 before the scale: times a float64 D the weight is the conversation's weight,
+        # which may pass float32's range (a weight column of 1e39)
+        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)]
+        rows = torch.where((ids >= 0)[:, None], rows.to(torch.float64) * scale, 0.0)
         sums = rows.new_zeros(len(self._sources), 2).index_add_(0, ids.clamp(min=0), rows)
         self._source_sums = sums if self._source_sums is None else self._source_sums + sums
 
@@ -218,7 +260,14 @@ class PackedNormaliserMixin:
         ).to(device)
         if self.args.world_size > 1:
             count = self.accelerator.gather(count).sum()
+        if self._context_parallel is not None:
+            # the ranks of a context-parallel group hold the same rows: each counted them once
+            size = self._context_parallel[1]
+            count = count / size if count.is_floating_point() else count // size
         return count
+
+
+_SIGNATURE = inspect.signature(Trainer.__init__)
 
 
 class PackedTrainer(PackedNormaliserMixin, Trainer):
@@ -231,13 +280,23 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
     (:func:`collators.pack_dataset`) is kept for the collator.
 
     Supported: one process or data parallelism over processes (DDP, FSDP2 or DeepSpeed ZeRO-3,
-    through ``torchrun`` or ``accelerate launch``) with any gradient accumulation. Not supported:
-    ``nn.DataParallel`` (several GPUs in one process), tensor, context or sequence parallelism.
+    through ``torchrun`` or ``accelerate launch``) with any gradient accumulation, and context
+    parallelism (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=K))``: the ``K``
+    ranks of a group share each packed row, :func:`enable_context_parallel`; rows are padded to a
+    multiple of ``2 K``). Not supported: ``nn.DataParallel`` (several GPUs in one process), tensor
+    or sequence parallelism.
+
+    A conversation without a target (labels all -100 after its first token, or no token) is an
+    error naming its row, before training; with ``skip_no_assistant=True`` (the name
+    :func:`collators.tokenize_dataset` uses) a row of one such conversation is skipped and a packed
+    row's is left in place, weighing nothing; both are counted in a logged warning.
 
     Raises:
         ValueError: if the model has no packed loss, if the Trainer would not pass
             ``num_items_in_batch`` to it, with ``average_tokens_across_devices=False`` over several
-            processes, or with several GPUs in one process.
+            processes, or with several GPUs in one process; naming the data set or its row: an
+            empty data set, a conversation without a target, a bad ``weight`` / ``seq_weights`` /
+            ``source`` (:func:`packed_ce.integrations.data_checks.check_columns`), every weight 0.
 
     Example:
         >>> from transformers import TrainingArguments
@@ -254,8 +313,10 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
         >>> trainer.train()                                                     # doctest: +SKIP
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, skip_no_assistant: bool = False, **kwargs):
+        bound = _SIGNATURE.bind(self, *args, **kwargs)
+        check_datasets(bound.arguments, type(self).__name__, skip_no_assistant)
+        super().__init__(*bound.args[1:], **bound.kwargs)
         self._check_packed_setup()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

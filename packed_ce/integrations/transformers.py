@@ -23,10 +23,14 @@ keywords, e.g. ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), `
 (padding-free batches); without any of them every row of ``labels`` is one sequence, which is also
 what the model's attention assumes then (:func:`sequence_boundaries`, ``batch.py``).
 
-Nothing here imports ``datasets``.
+The first :func:`apply_packed_loss` of a process imports ``transformers.trainer`` (seconds):
+every Trainer created after it refuses a model with the packed loss unless it is a packed one
+(``seams.py``).
 """
 
 from __future__ import annotations
+
+import functools
 
 from torch import nn
 
@@ -126,9 +130,12 @@ def apply_packed_loss(
     target.forward = installation.forward
     if hasattr(target, "get_decoder"):
         installation.decoder_hook = target.get_decoder().register_forward_pre_hook(
-            refuse_bypass, with_kwargs=True
+            functools.partial(refuse_bypass, target), with_kwargs=True
         )
     target._packed_ce = installation
+    from .seams import refuse_in_other_trainers  # imports transformers.Trainer: seconds, once
+
+    refuse_in_other_trainers()
     return model
 
 

@@ -1,0 +1,443 @@
+"""Context parallelism that keeps packed conversations apart: each rank attends over the whole row.
+
+:func:`collators.shard_batch` gives rank ``r`` of ``W`` chunks ``r`` and ``2W - 1 - r`` of a packed
+row of ``T`` tokens cut into ``2W`` chunks of ``C`` (zig-zag), with the conversations' global
+``position_ids``. The attention installed here gathers every rank's keys and values into the
+whole row ``(T = 2WC)`` in row order, and lets local query ``i`` (row token ``q(i)``) see row token
+``k`` iff both lie in the same conversation and ``k <= q(i)``. A conversation starts at token 0
+and wherever ``position_ids[t] != position_ids[t - 1] + 1`` (transformers' packed rule), so the
+mask is exactly the one a single process applies to the whole row, and each rank's hidden
+states are those of its tokens in the single-process forward.
+
+Gradients: the gathered keys and values of rank ``r'`` feed every rank's queries; the backward of
+the gather sums their gradients over ranks and hands each rank its own slice (a reduce-scatter),
+so the gradient of each rank's local loss share reaches every parameter that produced the row.
+Summed over ranks, the parameter gradients are those of the single-process loss.
+
+Two routes compute the same masked attention:
+
+- on CUDA, for rows of more than ``DENSE_MASK_ELEMENTS`` (query, key) pairs, flex attention with
+  a block mask built once per forward from the row's conversation ids: memory grows with the
+  local tokens times the row's key blocks, never ``L x T`` scores;
+- otherwise (CPU, short rows), :func:`torch.nn.functional.scaled_dot_product_attention` with
+  the dense ``(L, T)`` boolean mask of the same rule (:func:`conversation_mask`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .installation import base_model
+
+_names = itertools.count()
+# Up to this many (query, key) pairs the dense boolean mask (16 MiB) is cheaper than building a
+# block mask; flex attention's kernels for fewer than 128 queries (its decoding kernels) also
+# fail to compile for some shapes (float32, grouped heads: "No choices to select").
+DENSE_MASK_ELEMENTS = 2**24
+
+
+@dataclass
+class _RowLayout:
+    """What every layer's attention needs about the row, computed once per forward.
+
+    Attributes:
+        local_positions: the ``(1, L)`` ``position_ids`` tensor of the forward (identity-checked
+            in the attention, so a stale layout is never used).
+        documents: ``(T,)`` int32 conversation id of each row token, in row order.
+        queries: ``(L,)`` int64 row index of each local token.
+        order: ``(T,)`` int64: row token ``t`` is entry ``order[t]`` of the rank-major gather.
+        block_mask: the flex-attention block mask (CUDA), or None.
+    """
+
+    local_positions: torch.Tensor
+    documents: torch.Tensor
+    queries: torch.Tensor
+    order: torch.Tensor
+    block_mask: object = None
+
+
+@dataclass
+class ContextParallel:
+    """What :func:`enable_context_parallel` installed on a model, to use and to undo.
+
+    Attributes:
+        group: the ranks sharing each row (None: the default group).
+        rank, world_size: this rank and the size of ``group``.
+        attention_name: the name registered with transformers' attention interface (None for a
+            group of one rank, where nothing is replaced).
+        previous_attention: the model's ``config._attn_implementation`` before.
+        hook: the decoder's forward pre-hook that lays out the row.
+    """
+
+    group: object
+    rank: int
+    world_size: int
+    attention_name: str | None = None
+    previous_attention: str | None = None
+    hook: object = None
+    layout: _RowLayout | None = field(default=None, repr=False)
+
+
+def conversation_mask(documents: torch.Tensor, queries: torch.Tensor):
+    """The mask rule ``(b, h, q, k) -> bool``: same conversation and not later.
+
+    Args:
+        documents: ``(T,)`` integer conversation id of each row token.
+        queries: ``(L,)`` int64 row index of each local query.
+
+    Works elementwise on broadcast index tensors, so one function serves flex attention's
+    ``mask_mod`` and the dense mask of the CPU route.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = queries[q_idx]
+        return (documents[row] == documents[kv_idx]) & (kv_idx <= row)
+
+    return mask_mod
+
+
+class _GatherRow(torch.autograd.Function):
+    """The tokens of every rank in row order: ``x`` ``(L, H, D)`` of each rank -> ``(T, H, D)``.
+
+    Forward: one all-gather into a ``(W * L, H, D)`` buffer (rank-major), then one copy into row
+    order. Backward: the row gradient is put back in rank-major order and reduce-scattered (each
+    rank's keys and values are read by every rank's queries: their gradients are summed over the
+    ranks, and each rank keeps its own slice).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, state: "ContextParallel") -> torch.Tensor:
+        ctx.state = state
+        ctx.save_for_backward(order)
+        x = x.contiguous()
+        gathered = x.new_empty((state.world_size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x, group=state.group)
+        return gathered.index_select(0, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        state = ctx.state
+        ranked = torch.zeros_like(grad).index_copy_(0, order, grad)  # row order -> rank-major
+        local = grad.shape[0] // state.world_size
+        if dist.get_backend(state.group) == "nccl":
+            own = grad.new_empty((local, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(own, ranked, group=state.group)
+        else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
+            dist.all_reduce(ranked, group=state.group)
+            own = ranked[state.rank * local : (state.rank + 1) * local]
+        return own, None, None  # no gradient for the order or the state
+
+
+def _gather_row(x: torch.Tensor, state: ContextParallel, order: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(1, H, L, D)`` of every rank as the whole row ``(1, H, T, D)``, in row order.
+
+    transformers' projections lay keys out as ``(1, L, H, D)`` transposed, so the token-major
+    view gathered here needs no copy.
+    """
+    rows = _GatherRow.apply(x[0].transpose(0, 1), order, state)  # (T, H, D)
+    return rows.transpose(0, 1)[None]
+def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayout:
+    """Gathers the row's ``position_ids`` and derives conversations, query rows and the order.
+
+    Args:
+        position_ids: ``(1, L)`` integer, this rank's tokens' positions from
+            :func:`collators.shard_batch` (``L = 2C``).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] % 2:
+        raise ValueError(
+            "context parallelism needs position_ids of shape (1, 2C) from collators.shard_batch, "
+            f"got shape {tuple(position_ids.shape)}"
+        )
+    world, rank = state.world_size, state.rank
+    local = position_ids.shape[1]
+    chunk = local // 2
+    device = position_ids.device
+    gathered = position_ids.new_empty((world, local))
+    dist.all_gather(list(gathered.unbind(0)), position_ids[0].contiguous(), group=state.group)
+    # rank r holds row chunks r and 2W-1-r: entry (r, half, i) of the gather is row token
+    # chunk(r, half) * C + i
+    chunk_of = torch.tensor(
+        [[r, 2 * world - 1 - r] for r in range(world)], device=device
+    )  # (W, 2)
+    row_index = (chunk_of[:, :, None] * chunk + torch.arange(chunk, device=device)).reshape(-1)
+    order = torch.empty_like(row_index)
+    order[row_index] = torch.arange(row_index.numel(), device=device)
+    positions = gathered.reshape(-1)[order]  # (T,) in row order
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    documents = starts.cumsum(0, dtype=torch.int32)
+    queries = row_index.reshape(world, local)[rank]
+    layout = _RowLayout(position_ids, documents, queries, order)
+    if device.type == "cuda" and local * positions.numel() > DENSE_MASK_ELEMENTS:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        layout.block_mask = create_block_mask(
+            conversation_mask(documents, queries),
+            B=None,
+            H=None,
+            Q_LEN=local,
+            KV_LEN=positions.numel(),
+            device=device,
+            _compile=True,  # evaluated block by block: never the (L, T) dense mask
+        )
+    return layout
+
+
+_compiled_flex_attention = None
+
+
+def _flex_attention():
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # compiled once per process; eager flex attention materialises the (L, T) scores
+        _compiled_flex_attention = torch.compile(flex_attention)
+    return _compiled_flex_attention
+
+
+def _make_attention(state: ContextParallel):
+    """The attention function registered for one model (transformers' attention interface)."""
+
+    def attention(
+        module: nn.Module,
+        query: torch.Tensor,  # (B=1, Hq, L, D)
+        key: torch.Tensor,  # (1, Hkv, L, D)
+        value: torch.Tensor,  # (1, Hkv, L, D)
+        attention_mask,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        layout = state.layout
+        if layout is None or kwargs.get("position_ids") is not layout.local_positions:
+            raise RuntimeError(
+                "context-parallel attention called outside the decoder's forward that laid out "
+                "the row: call the model (or its decoder) with the shard's position_ids"
+            )
+        keys = _gather_row(key, state, layout.order)  # (1, Hkv, T, D)
+        values = _gather_row(value, state, layout.order)
+        if layout.block_mask is not None:
+            out = _flex_attention()(
+                query, keys, values, block_mask=layout.block_mask, scale=scaling, enable_gqa=True
+            )
+        else:
+            groups = query.shape[1] // keys.shape[1]
+            keys = keys.repeat_interleave(groups, dim=1)
+            values = values.repeat_interleave(groups, dim=1)
+            local, total = query.shape[2], keys.shape[2]
+            mask = conversation_mask(layout.documents, layout.queries)(
+                None,
+                None,
+                torch.arange(local, device=query.device)[:, None],
+                torch.arange(total, device=query.device)[None, :],
+            )  # (L, T) bool: each row has its own query token, so none is empty
+            out = F.scaled_dot_product_attention(
+                query,
+                keys,
+                values,
+                attn_mask=mask,
+                dropout_p=dropout if module.training else 0.0,
+                scale=scaling,
+            )
+        return out.transpose(1, 2).contiguous(), None  # (1, L, Hq, D), no weights
+
+    return attention
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why the attention of ``model`` cannot be made context parallel exactly, or None."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        return (
+            f"{name} does not compute attention through transformers' attention interface, so "
+            "context parallelism cannot replace it"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        other = ["sliding_attention"]
+    else:
+        other = []
+    if other:
+        return (
+            f"{name} has attention layers of type {other}: context parallelism keeps only "
+            "full causal attention within each conversation exact; use a model without sliding "
+            "windows (or set config.sliding_window = None if the conversations are shorter)"
+        )
+    if getattr(config, "attention_dropout", 0.0):
+        return (
+            f"{name} has config.attention_dropout={config.attention_dropout}: the context-parallel "
+            "attention has no dropout; set it to 0.0"
+        )
+    return None
+
+
+def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Makes each rank of ``group`` attend over the whole packed row, within each conversation.
+
+    After it, on every rank ``r`` of ``group`` (``W`` ranks),
+    ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss`` with
+    ``n = count_num_items(batch)`` of the whole batch is rank ``r``'s share of the loss of
+    ``model(**batch)`` on one process: the shares add up to it, and the parameter gradients summed
+    over the ranks equal its gradients (data-parallel wrappers average them: multiply the loss by
+    the number of processes, as :class:`PackedTrainer` does). Works with :func:`apply_packed_loss`
+    (logits or fused head), PEFT models and gradient checkpointing.
+
+    Args:
+        model: a transformers causal LM (or a PEFT model of one) whose attention goes through
+            transformers' attention interface, without sliding windows or attention dropout.
+        group: the process group whose ranks share each row (default: the world). A group of one
+            rank leaves the model as it is.
+
+    Returns:
+        ``model``, changed in place (:func:`disable_context_parallel` undoes it).
+
+    Raises:
+        ValueError: without an initialised process group, for a model whose attention cannot be
+            replaced exactly, or if context parallelism is already enabled on it.
+
+    A call on the sharded model must pass the shard's ``position_ids`` (they find the
+    conversations) and no ``attention_mask``: both are refused otherwise.
+    """
+    target = base_model(model)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "enable_context_parallel needs torch.distributed initialised: call "
+            "torch.distributed.init_process_group (torchrun sets up the environment)"
+        )
+    if getattr(target, "_packed_ce_context_parallel", None) is not None:
+        raise ValueError("context parallelism is already enabled on this model")
+    reason = _refusal(target)
+    if reason is not None:
+        raise ValueError(reason)
+    state = ContextParallel(
+        group=group, rank=dist.get_rank(group), world_size=dist.get_world_size(group)
+    )
+    if state.world_size > 1:
+        from transformers import AttentionInterface
+
+        state.attention_name = f"packed_ce_context_parallel_{next(_names)}"
+        state.previous_attention = target.config._attn_implementation
+        AttentionInterface.register(state.attention_name, _make_attention(state))
+        target.set_attn_implementation(state.attention_name)
+        state.hook = target.get_decoder().register_forward_pre_hook(
+            _lay_out_hook(state), with_kwargs=True
+        )
+    target._packed_ce_context_parallel = state
+    return model
+
+
+def _lay_out_hook(state: ContextParallel):
+    def hook(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+        if kwargs.get("attention_mask") is not None:
+            raise ValueError(
+                "a context-parallel call takes no attention_mask: conversations are found from "
+                "position_ids (pass the batch of collators.shard_batch as it is)"
+            )
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError(
+                "a context-parallel call needs the position_ids of collators.shard_batch: they "
+                "find the conversations of the whole row"
+            )
+        state.layout = _layout_row(state, position_ids)
+
+    return hook
+
+
+def disable_context_parallel(model: nn.Module) -> nn.Module:
+    """Undoes :func:`enable_context_parallel`: the model's attention is its own again.
+
+    Raises:
+        ValueError: if context parallelism is not enabled on ``model``.
+    """
+    target = base_model(model)
+    state = getattr(target, "_packed_ce_context_parallel", None)
+    if state is None:
+        raise ValueError(f"context parallelism is not enabled on this {type(model).__name__}")
+    if state.attention_name is not None:
+        from transformers import AttentionInterface
+
+        target.set_attn_implementation(state.previous_attention)
+        state.hook.remove()
+        AttentionInterface._global_mapping.pop(state.attention_name, None)
+    del target._packed_ce_context_parallel
+    return model
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """What :func:`enable_context_parallel` installed on ``model`` (or the model it wraps)."""
+    return getattr(base_model(model), "_packed_ce_context_parallel", None)
+
+
+def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = -100) -> dict:
+    """One context-parallel rank's share of a one-row batch from any packing collator.
+
+    The row is padded to a multiple of ``2 * world_size`` by a padding segment (no target, weight
+    0, no source), its boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` or the restarts
+    of ``position_ids`` (trl's padding-free batches), and :func:`collators.shard_batch` cuts it.
+    Keys the shard does not describe (``max_seqlen``, the varlen keywords) are left out: they
+    would describe the whole row.
+
+    Args:
+        batch: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the
+            boundaries, and optionally ``seq_targets``, ``seq_weights`` ``(S,)`` and
+            ``seq_sources`` (list of S).
+        rank, world_size: this rank within the context-parallel group, and its size.
+
+    Raises:
+        ValueError: for a batch of several rows (padded, not packed) or with an
+            ``attention_mask``: context parallelism needs the conversations in one row.
+    """
+    from collators import shard_batch
+
+    input_ids, labels = batch["input_ids"], batch["labels"]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
+        raise ValueError(
+            "context parallelism needs one packed row per batch (PackedCollator, or trl's "
+            f"padding_free=True), got input_ids of shape {tuple(input_ids.shape)}"
+            + (" and an attention_mask" if batch.get("attention_mask") is not None else "")
+        )
+    length = input_ids.shape[1]
+    device = input_ids.device
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        cu_seqlens = batch.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        positions = batch.get("position_ids")
+        if positions is None:
+            starts = torch.zeros(1, dtype=torch.int64, device=device)
+        else:
+            restart = torch.ones(length, dtype=torch.bool, device=device)
+            restart[1:] = positions[0, 1:] != positions[0, :-1] + 1
+            starts = restart.nonzero()[:, 0]
+        cu_seqlens = torch.cat((starts, starts.new_tensor([length])))
+    cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
+    multiple = 2 * world_size
+    padding = -length % multiple
+    row = {"input_ids": input_ids, "labels": labels, "cu_seqlens": cu_seqlens}
+    for key in ("seq_targets", "seq_weights", "seq_sources"):
+        if batch.get(key) is not None:
+            row[key] = batch[key]
+    if padding:
+        row["input_ids"] = F.pad(input_ids, (0, padding), value=0)
+        row["labels"] = F.pad(labels, (0, padding), value=ignore_index)
+        row["cu_seqlens"] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
+        if "seq_targets" in row:
+            row["seq_targets"] = torch.cat((row["seq_targets"], row["seq_targets"].new_ones(1)))
+        if "seq_weights" in row:
+            row["seq_weights"] = torch.cat((row["seq_weights"], row["seq_weights"].new_zeros(1)))
+        if "seq_sources" in row:
+            row["seq_sources"] = list(row["seq_sources"]) + [None]
+    return shard_batch(row, rank, world_size, ignore_index=ignore_index)

@@ -1,0 +1,270 @@
+"""The trainers' checks of a data set, before any tokenisation or packing where the data allow.
+
+- :func:`check_columns` refuses a bad ``weight`` / ``seq_weights`` / ``source`` value by row, and
+  weights that cannot be carried exactly (all 0, out of range);
+- :func:`check_not_empty` refuses an empty data set by name;
+- :func:`skip_or_refuse_without_assistant` and :func:`skip_or_refuse_without_targets`: conversations
+  without a target.
+
+A conversation without a target (no assistant turn under ``assistant_only_loss``, an empty
+completion, labels all ``-100``, no token at all) has nothing to learn from: the per-conversation
+mean leaves it out, so a data set of such rows would train on nothing while looking fine. Both
+trainers take ``skip_no_assistant`` (the name :func:`collators.tokenize_dataset` uses): False (the
+default) raises naming the first such row; True skips them and logs how many. An empty data set
+is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+
+from collators.checks import check_weight_range, conversation_weight, targets_per_sequence, weight_array
+from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
+
+logger = logging.getLogger(__name__)
+
+# Rows read at a time from Arrow: bounded memory however large the data set.
+_BATCH_ROWS = 65536
+
+
+def check_datasets(arguments: dict, trainer: str, skip: bool, *, assistant_only: bool = False) -> None:
+    """A trainer's checks before its construction, on its bound ``train_dataset`` and
+    ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
+    not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
+    tokenised data) a target in every conversation, or ``skip`` them."""
+    if not isinstance(skip, bool):
+        raise TypeError(f"{trainer}: skip_no_assistant must be a bool, got {type(skip).__name__} {skip!r}.")
+
+    def check(dataset, name):
+        check_columns(dataset, name)
+        check_not_empty(dataset, name)
+        if assistant_only:
+            dataset = skip_or_refuse_without_assistant(dataset, name, trainer, skip)
+        return skip_or_refuse_without_targets(dataset, name, trainer, skip)
+
+    for name in ("train_dataset", "eval_dataset"):
+        if arguments.get(name) is not None:
+            arguments[name] = each_dataset(arguments[name], name, check)
+
+
+def each_dataset(argument, name: str, check: Callable):
+    """``check(dataset, name)`` on a ``train_dataset`` / ``eval_dataset`` argument (a data set, a
+    dict of them, or None), keeping its shape: what ``check`` returns replaces each data set. A
+    dict's data sets are named ``name['<key>']``."""
+    if argument is None:
+        return None
+    if isinstance(argument, dict):
+        return {key: check(data, f"{name}[{key!r}]") for key, data in argument.items()}
+    return check(argument, name)
+
+
+def check_columns(dataset, name: str) -> None:
+    """Checks the optional ``weight`` / ``seq_weights`` and ``source`` columns of a data set, row by
+    row.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (an ``IterableDataset`` is not read here).
+        name: how the data set is called in errors (``train_dataset``).
+
+    Raises:
+        TypeError / ValueError naming the row: a weight that is not a real number, or is NaN,
+        infinite or negative (0 removes a conversation), or that cannot be carried exactly
+        (:func:`collators.checks.check_weight_range`: below float64's normal range, more than
+        2**64 times lighter than the heaviest, a sum past float64's range); a source that is not a
+        string. ValueError naming the data set when every weight is 0.
+    """
+    columns = getattr(dataset, "column_names", None) or []
+    if WEIGHT_COLUMN in columns:
+        weights = [
+            conversation_weight(weight, f"{name}[{row}][{WEIGHT_COLUMN!r}]")
+            for row, weight in enumerate(dataset[WEIGHT_COLUMN])
+        ]
+        check_weight_range(np.array(weights), lambda i: f"{name}[{i}][{WEIGHT_COLUMN!r}]", name)
+    if "seq_weights" in columns:  # rows packed by collators.pack_dataset: one per sequence
+        per_row = [
+            weight_array(values, f"{name}[{row}]['seq_weights']")
+            for row, values in enumerate(dataset["seq_weights"])
+        ]
+        rows = np.repeat(np.arange(len(per_row)), [len(values) for values in per_row])
+        starts = np.searchsorted(rows, rows)  # each weight's index within its row: i - starts[i]
+        check_weight_range(
+            np.concatenate(per_row) if per_row else np.zeros(0),
+            lambda i: f"{name}[{rows[i]}]['seq_weights'][{i - starts[i]}]",
+            name,
+        )
+    if SOURCE_COLUMN in columns:
+        for row, source in enumerate(dataset[SOURCE_COLUMN]):
+            if not isinstance(source, str):
+                raise TypeError(
+                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the conversation's data "
+                    f"source, got {type(source).__name__} {source!r}."
+                )
+
+
+def check_not_empty(dataset, name: str) -> None:
+    """ValueError naming ``dataset`` when it has no row (an ``IterableDataset`` is not counted)."""
+    try:
+        size = len(dataset)
+    except TypeError:  # an IterableDataset: read lazily, never counted here
+        return
+    if size == 0:
+        raise ValueError(f"`{name}` is empty: give the trainer at least one conversation.")
+
+
+def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: bool):
+    """Conversational data (a ``messages`` column) whose rows all have an assistant turn.
+
+    Under ``assistant_only_loss`` a conversation without one has no target. Found before any
+    tokenisation: with ``skip`` the others are kept (the count logged), else ValueError naming the
+    first such row. Other data sets are returned as they are.
+    """
+    if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
+        return dataset
+    rows = dataset.select_columns(["messages"]).iter(batch_size=_BATCH_ROWS)
+    conversations = (messages for batch in rows for messages in batch["messages"])
+    missing = [
+        row
+        for row, messages in enumerate(conversations)
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or [])
+    ]
+    if missing and not skip:
+        raise ValueError(
+            f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss leaves "
+            f"it nothing to train on: pass skip_no_assistant=True to {trainer} to skip such "
+            "conversations (counted and logged), or remove them."
+        )
+    return _drop_rows(dataset, missing, name)
+
+
+def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool, ignore_index: int = -100):
+    """A tokenised data set (``input_ids``, ``labels``, optionally ``seq_lengths``) whose
+    conversations all have a target under the causal shift.
+
+    Each row must hold as many labels as tokens and at least one token. A row of one conversation
+    without a target is skipped with ``skip`` (the count logged), else ValueError naming it; in a
+    packed row (``seq_lengths``) such a conversation cannot be taken out, so with ``skip`` it is
+    counted and logged and stays, weighing nothing. Rows of a split packing (``seq_targets``) are
+    not checked for targets: a piece without one may belong to a conversation that has them in
+    another row. Data sets without those columns are returned as they are.
+
+    Raises:
+        ValueError naming the row and the fix; naming the data set when no row is left.
+    """
+    if not isinstance(dataset, datasets.Dataset) or not {"input_ids", "labels"} <= set(dataset.column_names):
+        return dataset
+    columns = dataset.column_names
+    packed, split = "seq_lengths" in columns, "seq_targets" in columns
+    read = ["input_ids", "labels"] + ["seq_lengths"] * packed
+    missing, counted, row = [], 0, 0
+    for table in dataset.select_columns(read).with_format("arrow").iter(batch_size=_BATCH_ROWS):
+        tokens = pc.fill_null(pc.list_value_length(table["input_ids"]), 0).to_numpy(zero_copy_only=False)
+        labels = table["labels"].combine_chunks()
+        label_counts = pc.fill_null(pc.list_value_length(labels), 0).to_numpy(zero_copy_only=False)
+        for offset in np.flatnonzero((tokens != label_counts) | (tokens == 0)):
+            at = f"`{name}[{row + offset}]`"
+            if tokens[offset] == 0:
+                if skip and not packed:
+                    continue  # no token, so no target: skipped below
+                raise ValueError(
+                    f"{at} is empty (no token), so it has nothing to train on: remove it"
+                    + ("" if packed else f", or pass skip_no_assistant=True to {trainer} to skip such rows")
+                    + "."
+                )
+            raise ValueError(
+                f"{at} has {label_counts[offset]} labels for {tokens[offset]} input_ids: give one label "
+                "per token (-100 where nothing is trained)."
+            )
+        if packed:
+            lengths_column = table["seq_lengths"].combine_chunks()
+            lengths = pc.list_flatten(lengths_column).to_numpy(zero_copy_only=False).astype(np.int64)
+            per_row = pc.fill_null(pc.list_value_length(lengths_column), 0).to_numpy(zero_copy_only=False)
+        else:
+            lengths, per_row = tokens.astype(np.int64), np.ones(len(tokens), dtype=np.int64)
+        values = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int64)
+        if lengths.sum() != values.size:  # seq_lengths that do not cover their rows: the collator's error
+            row += len(tokens)
+            continue
+        without = targets_per_sequence(values, lengths, ignore_index) == 0
+        counted += int(per_row.sum())
+        if not split and without.any():
+            rows = np.repeat(np.arange(len(per_row)), per_row)
+            first = int(np.flatnonzero(without)[0])
+            if not skip:
+                within = first - int(np.searchsorted(rows, rows[first]))
+                where = f"`{name}[{row + rows[first]}]`" + (f", sequence {within} of its seq_lengths," if packed else "")
+                raise ValueError(
+                    f"{where} has no target (no label other than {ignore_index} after its first token), "
+                    f"so it has nothing to train on: pass skip_no_assistant=True to {trainer} to skip "
+                    "such conversations (counted and logged), or remove them."
+                )
+            missing.extend((row + rows[without]).tolist())
+        row += len(tokens)
+    if packed:
+        if missing:
+            logger.warning(
+                "%s: %d of %d conversations have no target; they stay in their packed rows and weigh "
+                "nothing (skip_no_assistant=True).", name, len(missing), counted,
+            )
+        return dataset
+    return _drop_rows(dataset, missing, name)
+
+
+# A column of each row's index in the data set given to trl, to find the rows its preparation drops.
+ROW_INDEX = "packed_ce_row"
+
+
+def numbered(dataset):
+    """``dataset`` with :data:`ROW_INDEX` (a ``datasets.Dataset``; any other data as it is)."""
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset
+    return dataset.add_column(ROW_INDEX, list(range(dataset.num_rows)))
+
+
+def skip_or_refuse_dropped(prepared, given: int, name: str, trainer: str, skip: bool, max_length: int | None):
+    """trl's preparation after truncating to ``max_length`` drops, without a word, the rows left
+    without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
+    or with ``skip`` a logged count; the index column is removed.
+
+    Args:
+        prepared: trl's prepared data set, from :func:`numbered` data of ``given`` rows.
+    """
+    if not isinstance(prepared, datasets.Dataset) or ROW_INDEX not in prepared.column_names:
+        return prepared
+    kept = np.zeros(given, dtype=bool)
+    kept[np.asarray(prepared[ROW_INDEX], dtype=np.int64)] = True
+    prepared = prepared.remove_columns(ROW_INDEX)
+    dropped = np.flatnonzero(~kept)
+    if dropped.size and not skip:
+        raise ValueError(
+            f"`{name}[{dropped[0]}]` has no target left after truncation to max_length={max_length} "
+            f"({dropped.size} such rows): raise max_length, use packing=True (which keeps or splits long "
+            f"conversations), or pass skip_no_assistant=True to {trainer} to skip them (counted and logged)."
+        )
+    if dropped.size:
+        logger.warning(
+            "%s: skipped %d of %d conversations without a target after truncation to max_length=%s "
+            "(skip_no_assistant=True).", name, dropped.size, given, max_length,
+        )
+    return prepared
+
+
+def _drop_rows(dataset, rows: list[int], name: str):
+    """``dataset`` without ``rows`` (logged); ValueError naming it when none is left."""
+    if not rows:
+        return dataset
+    if len(rows) == len(dataset):
+        raise ValueError(
+            f"no conversation of `{name}` has a target ({len(rows)} skipped with "
+            "skip_no_assistant=True): nothing would train."
+        )
+    logger.warning(
+        "%s: skipped %d of %d conversations without a target (skip_no_assistant=True).",
+        name, len(rows), len(dataset),
+    )
+    drop = set(rows)
+    return dataset.select([i for i in range(len(dataset)) if i not in drop])
