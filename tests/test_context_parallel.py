@@ -120,6 +120,13 @@ def worker(
                 os.path.join(out_dir, f"{setup}-rank{rank}.pt"),
             )
             disable_context_parallel(model)
+        # a plain model (no packed loss, which would drop an all-ones mask as saying nothing)
+        # refuses any attention_mask, and a call without position_ids, on every rank alike
+        plain = enable_context_parallel(tiny_model("llama", VOCAB).to(device))
+        for extra, message in (({"attention_mask": torch.ones_like(shard["input_ids"])}, "attention_mask"),
+                               ({"position_ids": None}, "position_ids")):
+            with pytest.raises(ValueError, match=message):
+                plain(**{**{k: shard[k] for k in ("input_ids", "position_ids")}, **extra})
     finally:
         dist.destroy_process_group()
 
@@ -227,8 +234,9 @@ def test_refusals_without_a_process_group():
     [
         ({"sliding_window": 8, "model_type": "mistral"}, "sliding_attention"),
         ({"attention_dropout": 0.1}, "attention_dropout"),
+        ({"_supports_attention_backend": False}, "attention interface"),
     ],
-    ids=["sliding-window", "attention-dropout"],
+    ids=["sliding-window", "attention-dropout", "own-attention"],
 )
 def test_refuses_what_it_cannot_keep_exact(tmp_path, overrides, message):
     mp.spawn(_refusal_worker, args=(free_port(), overrides, message), nprocs=1, join=True)
@@ -242,7 +250,10 @@ def _refusal_worker(rank: int, port: int, overrides: dict, message: str) -> None
         arch = overrides.pop("model_type", "llama")
         from packed_ce.integrations import tiny_causal_lm
 
+        unsupported = overrides.pop("_supports_attention_backend", True) is False
         model = tiny_causal_lm(VOCAB, model_type=arch, **overrides)
+        if unsupported:  # as a model class whose attention does not go through the interface
+            model._supports_attention_backend = False
         with pytest.raises(ValueError, match=message):
             enable_context_parallel(model)
     finally:
@@ -419,3 +430,41 @@ def test_two_gpus_float32_and_bfloat16(tmp_path, scale):
               f"worst gradient error one GPU {one_grad:.2e}, two GPUs {cp_grad:.2e}")
         assert cp_loss <= 2 * one_loss + 1e-3
         assert cp_grad <= 2 * one_grad + 1e-3
+
+
+def fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
+    """The row shared by two ranks whose parameters FSDP2 shards as accelerate groups them (each
+    decoder layer; the final norm with the head; the root), fused head; the loss times 2 cancels
+    FSDP's gradient averaging."""
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        model = build_model("llama-fused-checkpointing")
+        enable_context_parallel(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False)
+        fully_shard(model)
+        batch = packed_batch()
+        loss = model(**shard_batch(batch, rank, WORLD), num_items_in_batch=count_num_items(batch, all_reduce=False)).loss
+        (loss * WORLD).backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        if rank == 0:
+            torch.save({"loss": total, "grads": grads}, os.path.join(out_dir, "fsdp2.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_shards_with_context_parallelism(tmp_path):
+    """FSDP2 (torch's fully_shard on gloo) and context parallelism together: the loss and every
+    gradient of one process, within the float32 tolerances."""
+    mp.spawn(fsdp2_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    result = torch.load(tmp_path / "fsdp2.pt")
+    expected_loss, expected_grads = one_process("llama-fused-checkpointing")
+    assert_loss_close(result["loss"], expected_loss)
+    assert_gradients_close(result["grads"], expected_grads)

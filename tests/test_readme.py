@@ -8,8 +8,11 @@ reader would paste it. Signature listings are ``text`` blocks and are not run.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -45,6 +48,17 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
         pytest.importorskip("trl")
     if "BitsAndBytesConfig" in code:  # QLoRA: a 4-bit model needs bitsandbytes
         pytest.importorskip("bitsandbytes")
+    launch = re.search(r"run: (torchrun --nproc_per_node (\d+) (\S+))", code.splitlines()[0])
+    if launch:  # a script for several processes: written out and run as the block says
+        (tmp_path / launch.group(3)).write_text(code)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", launch.group(2), launch.group(3)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        # the context-parallel script prints its ranks' loss and the one-process loss of the row
+        compared = re.search(r"ranks: ([\d.]+), one process: ([\d.]+)", done.stdout)
+        assert compared is None or compared.group(1) == compared.group(2), done.stdout
+        return
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
 
