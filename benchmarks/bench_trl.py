@@ -943,7 +943,8 @@ def run_longest(args, jobs: list[Job], deadline: float, out: Path, slug: str) ->
             "longest_fits": max(fits, default=None),
             "shortest_fails": min(fails, default=None),
         }
-        harness.write_json(out / f"trl_longest_{key}_{slug}.json", searches[key])
+        name = f"trl_longest_{job.model}{name_suffix(args)}_{job.run}_{slug}.json"
+        harness.write_json(out / name, searches[key])
         log(f"{key}: longest that fits {searches[key]['longest_fits']}, shortest that fails "
             f"{searches[key]['shortest_fails']} ({state.get('stopped')})")  # fmt: skip
     return {"searches": searches, "warmups": warmups}

@@ -535,6 +535,13 @@ def _model_text(result: dict) -> str:
     return "; ".join(parts)
 
 
+def _adapter_label(found: dict) -> str:
+    """What trained in a search: nothing added for every parameter, else LoRA or QLoRA."""
+    if found.get("quantized"):
+        return " QLoRA"
+    return " LoRA" if found["lora"] else ""
+
+
 # What trains in a bench_trl.py result (its --adapter)
 ADAPTER_TEXT = {
     "full": "every parameter trained",
@@ -679,7 +686,7 @@ def trl_longest_report(result: dict) -> str:
         )
         ratio, peak = _against_stock(found, searches)
         lines.append(
-            f"| {found['model']}{' LoRA' if found['lora'] else ''} | {found['label']} "
+            f"| {found['model']}{_adapter_label(found)} | {found['label']} "
             f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {ratio} "
             f"| {peak} | {probes or '-'} | {found.get('stopped', '-')} |"
         )
@@ -730,7 +737,7 @@ def trl_longest_summary(results: list[dict]) -> str:
             ratio, peak = _against_stock(found, searches)
             first = found["probes"][0]["row_length"] if found["probes"] else "-"
             lines.append(
-                f"| {found['model']}{' LoRA' if found['lora'] else ''} "
+                f"| {found['model']}{_adapter_label(found)} "
                 f"| {RUN_LABELS.get(found['run'], found['run'])} "
                 f"| {found['longest_fits'] or '-'} | {found['shortest_fails'] or '-'} | {ratio} "
                 f"| {peak} | {first} | {search_resolution(result):g} | {len(found['probes'])} "
