@@ -54,7 +54,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
     What it adds to trl:
 
-    - ``peft_config=`` or a PEFT model: the adapter's parameters minimise the packed mean.
+    - ``peft_config=`` or a PEFT model: the adapter's parameters minimise the packed mean, on a
+      base model loaded in 4 bits too (QLoRA: bitsandbytes leaves the head unquantized, so the
+      fused head serves).
     - A MoE model's router loss (``router_aux_loss_coef``): ``coef * aux`` of each micro-batch is
       added as trl adds it, divided by the accumulation steps (the mean over micro-batches).
     - ``packing_strategy="bfd_split"``: conversations longer than ``max_length`` are split across
