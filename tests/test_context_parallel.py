@@ -181,11 +181,13 @@ def gloo_results(tmp_path_factory):
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_shares_add_up_to_one_process(setup, gloo_results):
     """Two gloo ranks, float32: the shares' sum within 1e-5 of one process's loss (itself the
-    per-conversation mean), the summed gradients within 1e-4 norm-wise of its gradients."""
+    per-conversation mean), every summed gradient within 1e-5 norm-wise of its gradient (about 2e-7
+    measured)."""
     expected_loss, expected_grads = one_process(setup)
     assert_loss_close(gloo_results[setup]["loss"], expected_loss)
     assert_loss_close(expected_loss, per_conversation_mean(setup).detach())
-    assert_gradients_close(gloo_results[setup]["grads"], expected_grads)
+    worst = assert_gradients_close(gloo_results[setup]["grads"], expected_grads, rtol=1e-5)
+    print(f"{setup}: worst relative gradient error {worst:.1e}")
 
 
 def test_batch_crosses_chunks_and_ranks():
