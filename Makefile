@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[dev,demo,trl,qlora]"
+	$(PY) -m pip install -q -e ".[dev,demo,trl]"
 	touch $(STAMP)
 
 install: $(STAMP)
