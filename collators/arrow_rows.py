@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from .checks import check_tokens, targets_per_sequence
+from .columns import INPUT_IDS, LABELS, SEQ_LENGTHS
 
 # Tokens checked at once: the scan's temporaries (a few bytes per token) stay in the tens of MB.
 BLOCK_TOKENS = 1 << 21
@@ -134,8 +135,8 @@ class _FillRows:
 
         if self.columns is None:
             table = self.dataset.data.table
-            self.columns = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
-        pieces = batch.column("seq_lengths").combine_chunks()
+            self.columns = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
+        pieces = batch.column(SEQ_LENGTHS).combine_chunks()
         length = pc.list_flatten(pieces).to_numpy().astype(np.int64)
         source, offset = (pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in PIECE_COLUMNS)
         input_ids, labels = (column.gather(source, offset, length) for column in self.columns)
@@ -143,8 +144,8 @@ class _FillRows:
         labels[(np.cumsum(length) - length)[offset > 0]] = self.ignore_index
         per_row = pc.list_value_length(pieces).to_numpy().astype(np.int64)
         token_bounds = np.concatenate(([0], np.cumsum(length)))[np.concatenate(([0], np.cumsum(per_row)))]
-        columns = {"input_ids": list_array(token_bounds, pa.array(input_ids)),
-                   "labels": list_array(token_bounds, pa.array(labels))}
+        columns = {INPUT_IDS: list_array(token_bounds, pa.array(input_ids)),
+                   LABELS: list_array(token_bounds, pa.array(labels))}
         columns.update((n, batch.column(n)) for n in batch.column_names if n not in PIECE_COLUMNS)
         return pa.table(columns)
 

@@ -8,11 +8,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .checks import positive_int
+from .columns import IGNORE_INDEX, INPUT_IDS, LABELS
 
 logger = logging.getLogger(__name__)
-
-# The label of untrained tokens (PyTorch's `ignore_index` default).
-IGNORE_INDEX = -100
 
 # `{% generation %}` / `{%- generation -%}`: the template marks the assistant output itself.
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -114,14 +112,14 @@ def tokenize_conversation(
         encoding = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **render_kwargs
         )
-        input_ids = list(encoding["input_ids"])
+        input_ids = list(encoding[INPUT_IDS])
         labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
     else:
         input_ids, labels = _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index)
 
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
-    return {"input_ids": input_ids, "labels": labels}
+    return {INPUT_IDS: input_ids, LABELS: labels}
 
 
 def tokenize_dataset(
@@ -170,21 +168,21 @@ def tokenize_dataset(
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
         raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
-    taken = [name for name in ("input_ids", "labels", "_kept") if name in dataset.column_names]
+    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
     if taken:
         raise ValueError(
             f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove or rename them."
         )
 
     def tokenize_batch(batch):
-        out = {"input_ids": [], "labels": [], "_kept": []}
+        out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         for messages in batch[messages_column]:
             example = tokenize_conversation(
                 tokenizer, messages, max_length=max_length, skip_no_assistant=skip_no_assistant, **kwargs
             )
             out["_kept"].append(example is not None)
-            out["input_ids"].append(example["input_ids"] if example else [])
-            out["labels"].append(example["labels"] if example else [])
+            out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
+            out[LABELS].append(example[LABELS] if example else [])
         return out
 
     tokenized = dataset.map(
@@ -234,7 +232,7 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
     text = _render(tokenizer, messages, render_kwargs)
     # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
+    input_ids = list(encoding[INPUT_IDS])
     offsets = [tuple(span) for span in encoding["offset_mapping"]]
     token_at = [-1] * len(text)
     for token, (start, end) in enumerate(offsets):

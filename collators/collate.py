@@ -17,9 +17,23 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .chat import IGNORE_INDEX
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
-from .packing import SOURCE_COLUMN, WEIGHT_COLUMN
+from .columns import (
+    ATTENTION_MASK,
+    CU_SEQLENS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    MAX_SEQLEN,
+    NUM_SEQUENCES,
+    POSITION_IDS,
+    SEQ_LENGTHS,
+    SEQ_SOURCES,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SOURCE_COLUMN,
+    WEIGHT_COLUMN,
+)
 
 
 def _example(example, index: int, ignore_index: int):
@@ -29,19 +43,19 @@ def _example(example, index: int, ignore_index: int):
     `weight` becomes its one-element `seq_weights`.
     """
     name = f"examples[{index}]"
-    if not isinstance(example, Mapping) or "input_ids" not in example:
+    if not isinstance(example, Mapping) or INPUT_IDS not in example:
         raise TypeError(f"`{name}` must be a dict with 'input_ids', got {type(example).__name__}.")
-    input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
-    labels = input_ids if example.get("labels") is None else token_array(example["labels"], f"{name}['labels']")
+    input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
+    labels = input_ids if example.get(LABELS) is None else token_array(example[LABELS], f"{name}['labels']")
     check_tokens(input_ids, labels, ignore_index, name)
-    lengths = example.get("seq_lengths")
+    lengths = example.get(SEQ_LENGTHS)
     lengths = np.array([len(input_ids)]) if lengths is None else token_array(lengths, f"{name}['seq_lengths']")
     if len(labels) != len(input_ids) or lengths.sum() != len(input_ids) or (lengths < 0).any():
         raise ValueError(
             f"`{name}` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths {lengths.tolist()}: "
             "the lengths must be >= 0 and the three must agree."
         )
-    targets = example.get("seq_targets")
+    targets = example.get(SEQ_TARGETS)
     if targets is not None:
         targets = token_array(targets, f"{name}['seq_targets']")
         if len(targets) != len(lengths) or (targets < 0).any():
@@ -53,7 +67,7 @@ def sequence_weights(example, index: int, count: int) -> np.ndarray | None:
     """The `count` sequences' weights of one example (`examples[index]`), checked: `seq_weights` (per
     sequence, as `pack_dataset` writes them) or a conversation's `weight`; None where it carries neither."""
     name = f"examples[{index}]"
-    weights = example.get("seq_weights")
+    weights = example.get(SEQ_WEIGHTS)
     if weights is not None:
         weights = weight_array(weights, f"{name}['seq_weights']")
         if len(weights) != count:
@@ -70,7 +84,7 @@ def sequence_sources(example, index: int, count: int) -> list:
     sequence, as `pack_dataset` writes them) or a conversation's `source`; None for each where the
     example names none."""
     name = f"examples[{index}]"
-    sources = example.get("seq_sources")
+    sources = example.get(SEQ_SOURCES)
     if sources is None:
         source = example.get(SOURCE_COLUMN)
         if source is not None and count != 1:
@@ -268,20 +282,20 @@ class PackedCollator(_Collator):
 
         cu_seqlens = torch.from_numpy(cu_seqlens.astype(np.int32))
         batch = {
-            "input_ids": torch.from_numpy(input_ids)[None],
-            "labels": torch.from_numpy(labels)[None],
-            "position_ids": torch.from_numpy(position_ids)[None],
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max_seqlen,
-            "num_sequences": int(has_target.sum()),
-            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
+            INPUT_IDS: torch.from_numpy(input_ids)[None],
+            LABELS: torch.from_numpy(labels)[None],
+            POSITION_IDS: torch.from_numpy(position_ids)[None],
+            CU_SEQLENS: cu_seqlens,
+            MAX_SEQLEN: max_seqlen,
+            NUM_SEQUENCES: int(has_target.sum()),
+            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
         if seq_weights is not None:
             seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
-            batch["seq_weights"] = torch.from_numpy(seq_weights)  # float64, see the docstring
+            batch[SEQ_WEIGHTS] = torch.from_numpy(seq_weights)  # float64, see the docstring
         if any(source is not None for source in seq_sources):
             kept = [source for source, keep in zip(seq_sources, nonempty) if keep]
-            batch["seq_sources"] = kept + [None] * bool(num_padding)
+            batch[SEQ_SOURCES] = kept + [None] * bool(num_padding)
         if self.return_varlen_kwargs:
             batch.update(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
@@ -365,16 +379,16 @@ class PaddedCollator(_Collator):
             labels.reshape(-1), np.full(len(parts), width), [(1, part[3]) for part in parts], self.ignore_index
         )
         batch = {
-            "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.from_numpy(labels),
-            "cu_seqlens": torch.arange(len(parts) + 1, dtype=torch.int32) * width,
-            "num_sequences": int((labels != self.ignore_index).any(axis=1).sum()),
-            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
+            INPUT_IDS: torch.from_numpy(input_ids),
+            ATTENTION_MASK: torch.from_numpy(attention_mask),
+            LABELS: torch.from_numpy(labels),
+            CU_SEQLENS: torch.arange(len(parts) + 1, dtype=torch.int32) * width,
+            NUM_SEQUENCES: int((labels != self.ignore_index).any(axis=1).sum()),
+            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
         if all(weighted):
-            batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
+            batch[SEQ_WEIGHTS] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
         seq_sources = [s for index, example in enumerate(examples) for s in sequence_sources(example, index, 1)]
         if any(source is not None for source in seq_sources):
-            batch["seq_sources"] = seq_sources
+            batch[SEQ_SOURCES] = seq_sources
         return batch

@@ -30,18 +30,25 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .chat import IGNORE_INDEX
 from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
+from .columns import (
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    PACKED_ROW_COLUMNS,
+    SEQ_LENGTHS,
+    SEQ_SOURCES,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SOURCE_COLUMN,
+    WEIGHT_COLUMN,
+)
 
 logger = logging.getLogger(__name__)
 
 Overflow = Literal["truncate", "drop", "error", "split"]
 OVERFLOWS = ("truncate", "drop", "error", "split")
-# The optional per-conversation weight column of a tokenized data set (see `PackedCollator`).
-WEIGHT_COLUMN = "weight"
-# A string per conversation naming where it comes from: carried to each of its pieces as `seq_sources`.
-SOURCE_COLUMN = "source"
 
 
 @dataclasses.dataclass
@@ -231,11 +238,11 @@ def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, 
     `seq_targets` is the target count of the piece's whole conversation, or 1 for a conversation without
     targets: it has no target to weigh, and a divisor of 1 keeps `weight / seq_targets` finite.
     """
-    columns = {"seq_lengths": plan.length}
+    columns = {SEQ_LENGTHS: plan.length}
     if split:
-        columns["seq_targets"] = np.maximum(targets[plan.source], 1)
+        columns[SEQ_TARGETS] = np.maximum(targets[plan.source], 1)
     if weights is not None:
-        columns["seq_weights"] = weights[plan.source]
+        columns[SEQ_WEIGHTS] = weights[plan.source]
     return columns
 
 
@@ -344,7 +351,7 @@ def pack_dataset(
     if dataset._indices is not None:
         dataset = dataset.flatten_indices()  # rows in order on disk, so that they can be read in place
     table = dataset.data.table
-    input_ids, labels = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
+    input_ids, labels = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
     lengths = input_ids.lengths
     if not np.array_equal(lengths, labels.lengths):
         row = int(np.flatnonzero(lengths != labels.lengths)[0])
@@ -376,10 +383,6 @@ def pack_dataset(
     return (rows, stats) if return_stats else rows
 
 
-# What packing writes: no carried column may take one of these names.
-_ROW_COLUMNS = ("input_ids", "labels", "seq_lengths", "seq_targets", "seq_weights", "seq_sources")
-
-
 def _carried_columns(schema) -> dict[str, str]:
     """The columns carried to the pieces, by the name of their row column: `source` as `seq_sources`, any
     other `name` but the tokens and `weight` as `seq_<name>`.
@@ -390,14 +393,14 @@ def _carried_columns(schema) -> dict[str, str]:
     """
     import pyarrow as pa
 
-    missing = {"input_ids", "labels"} - set(schema.names)
+    missing = {INPUT_IDS, LABELS} - set(schema.names)
     if missing:
         raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {schema.names}.")
     carried = {}
     for name in schema.names:
-        if name in ("input_ids", "labels", WEIGHT_COLUMN):
+        if name in (INPUT_IDS, LABELS, WEIGHT_COLUMN):
             continue
-        row_name = "seq_sources" if name == SOURCE_COLUMN else f"seq_{name}"
+        row_name = SEQ_SOURCES if name == SOURCE_COLUMN else f"seq_{name}"
         value_type = schema.field(name).type
         if name == SOURCE_COLUMN and not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
             raise ValueError(f"`dataset` column {SOURCE_COLUMN!r} must hold a string for every row, got {value_type}.")
@@ -407,7 +410,7 @@ def _carried_columns(schema) -> dict[str, str]:
                 f"cannot carry it (they hold one value per sequence): remove it with "
                 f"dataset.remove_columns({name!r}) or reduce it to one value per conversation."
             )
-        if row_name in _ROW_COLUMNS and name != SOURCE_COLUMN:
+        if row_name in PACKED_ROW_COLUMNS and name != SOURCE_COLUMN:
             raise ValueError(
                 f"`dataset` column {name!r} would be carried to the rows as {row_name!r}, a column packing "
                 "writes itself: rename it."
@@ -434,7 +437,7 @@ def _read_iterable(dataset):
     for index, row in enumerate(dataset):
         if index == 0:
             names = set(row)
-            missing = {"input_ids", "labels"} - names
+            missing = {INPUT_IDS, LABELS} - names
             if missing:
                 raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {sorted(names)}.")
         elif set(row) != names:
@@ -442,7 +445,7 @@ def _read_iterable(dataset):
                 f"`dataset[{index}]` has the columns {sorted(row)}, unlike the first row's {sorted(names)}."
             )
         row = dict(row)
-        for name in ("input_ids", "labels"):
+        for name in (INPUT_IDS, LABELS):
             row[name] = token_array(row[name], f"dataset[{index}][{name!r}]")
         if WEIGHT_COLUMN in row:
             row[WEIGHT_COLUMN] = conversation_weight(row[WEIGHT_COLUMN], f"dataset[{index}][{WEIGHT_COLUMN!r}]")
@@ -450,8 +453,8 @@ def _read_iterable(dataset):
             raise ValueError(f"`dataset[{index}][{SOURCE_COLUMN!r}]` must be a string, got {row[SOURCE_COLUMN]!r}.")
         rows.append(row)
     if not rows:
-        features = datasets.Features({name: [datasets.Value("int64")] for name in ("input_ids", "labels")})
-        return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+        features = datasets.Features({name: [datasets.Value("int64")] for name in (INPUT_IDS, LABELS)})
+        return datasets.Dataset.from_dict({INPUT_IDS: [], LABELS: []}, features=features)
     return datasets.Dataset.from_list(rows)
 
 
@@ -507,8 +510,8 @@ def _pack_stream(examples, max_tokens: int, overflow: Overflow, buffer_size: int
     has_weight = None
     for index, example in enumerate(examples):
         name = f"examples[{index}]"
-        input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
-        labels = token_array(example["labels"], f"{name}['labels']")
+        input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
+        labels = token_array(example[LABELS], f"{name}['labels']")
         if len(input_ids) != len(labels):
             raise ValueError(f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree.")
         check_tokens(input_ids, labels, ignore_index, name)
@@ -539,14 +542,14 @@ def _pack_buffer(buffer, max_tokens: int, overflow: Overflow, ignore_index: int,
     metadata = {name: values.tolist() for name, values in metadata.items()}
     start = 0
     for count in plan.per_row.tolist():
-        row = {"input_ids": [], "labels": []}
+        row = {INPUT_IDS: [], LABELS: []}
         for piece in range(start, start + count):
             input_ids, labels, _ = buffer[plan.source[piece]]
             a = int(plan.offset[piece])
             b = a + int(plan.length[piece])
-            row["input_ids"] += input_ids[a:b].tolist()
+            row[INPUT_IDS] += input_ids[a:b].tolist()
             # A piece after the first repeats the token before its cut (trained in the piece before).
-            row["labels"] += ([ignore_index] if a else []) + labels[a + bool(a) : b].tolist()
+            row[LABELS] += ([ignore_index] if a else []) + labels[a + bool(a) : b].tolist()
         row.update({name: values[start : start + count] for name, values in metadata.items()})
         start += count
         yield row

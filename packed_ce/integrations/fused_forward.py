@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from collators.columns import LABELS, SHIFT_LABELS
+
 from .hooks import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
@@ -84,7 +86,7 @@ def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
     """
     installation = model._packed_ce
     kwargs = checked_call(args, kwargs)
-    labels = kwargs.get("labels")
+    labels = kwargs.get(LABELS)
     fused = installation.fused_options is not None
     _running.depth = getattr(_running, "depth", 0) + 1
     try:
@@ -125,12 +127,12 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     from ..fused_linear import fused_linear_cross_entropy
 
     kwargs = dict(kwargs)
-    labels = kwargs.pop("labels")
+    labels = kwargs.pop(LABELS)
     want_stats = bool(kwargs.pop(TOKEN_STATS_KEY, False))
     want_seq = bool(kwargs.pop(SEQ_LOSSES_KEY, False))
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
-    shift_labels = kwargs.pop("shift_labels", None)
+    shift_labels = kwargs.pop(SHIFT_LABELS, None)
     outputs = model.get_decoder()(**kwargs)
     hidden = outputs[0]
     head = model.get_output_embeddings()
