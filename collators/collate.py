@@ -19,20 +19,8 @@ import torch
 
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
 from .columns import (
-    ATTENTION_MASK,
-    CU_SEQLENS,
-    IGNORE_INDEX,
-    INPUT_IDS,
-    LABELS,
-    MAX_SEQLEN,
-    NUM_SEQUENCES,
-    POSITION_IDS,
-    SEQ_LENGTHS,
-    SEQ_SOURCES,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
-    SOURCE_COLUMN,
-    WEIGHT_COLUMN,
+    ATTENTION_MASK, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, MAX_SEQLEN, NUM_SEQUENCES, POSITION_IDS,
+    SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN,
 )
 
 

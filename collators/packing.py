@@ -33,16 +33,8 @@ import torch
 from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
 from .columns import (
-    IGNORE_INDEX,
-    INPUT_IDS,
-    LABELS,
-    PACKED_ROW_COLUMNS,
-    SEQ_LENGTHS,
-    SEQ_SOURCES,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
-    SOURCE_COLUMN,
-    WEIGHT_COLUMN,
+    IGNORE_INDEX, INPUT_IDS, LABELS, PACKED_ROW_COLUMNS, SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
+    SOURCE_COLUMN, WEIGHT_COLUMN,
 )
 
 logger = logging.getLogger(__name__)

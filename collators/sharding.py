@@ -20,14 +20,7 @@ import torch
 
 from .checks import positive_int, targets_per_sequence
 from .columns import (
-    CU_SEQLENS,
-    IGNORE_INDEX,
-    INPUT_IDS,
-    LABELS,
-    POSITION_IDS,
-    SEQ_SOURCES,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
+    CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
     SHIFT_LABELS,
 )
 

@@ -35,14 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collators.columns import (
-    ATTENTION_MASK,
-    CU_SEQLENS,
-    CU_SEQ_LENS_Q,
-    INPUT_IDS,
-    LABELS,
-    POSITION_IDS,
-    SEQ_SOURCES,
-    SEQ_TARGETS,
+    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS,
     SEQ_WEIGHTS,
 )
 

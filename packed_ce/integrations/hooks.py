@@ -8,14 +8,7 @@ from typing import Any
 import torch
 
 from collators.columns import (
-    ATTENTION_MASK,
-    CU_SEQLENS,
-    CU_SEQ_LENS_Q,
-    INPUT_IDS,
-    LABELS,
-    POSITION_IDS,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
+    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS,
 )
 
 # The installed forward passes the model's ``position_ids`` to the loss under this keyword; like

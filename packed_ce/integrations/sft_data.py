@@ -24,17 +24,8 @@ import torch
 
 from collators.collate import sequence_sources, sequence_weights
 from collators.columns import (
-    CU_SEQLENS,
-    CU_SEQ_LENS_Q,
-    INPUT_IDS,
-    LABELS,
-    ROW_COLUMNS,
-    SEQ_LENGTHS,
-    SEQ_SOURCES,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
-    SOURCE_COLUMN,
-    WEIGHT_COLUMN,
+    CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, ROW_COLUMNS, SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS,
+    SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN,
 )
 
 
