@@ -17,7 +17,7 @@ from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, S
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .hooks import POSITION_IDS_KEY, batch_tensor
+from .guards import POSITION_IDS_KEY, batch_tensor
 
 
 def sequence_boundaries(

@@ -31,7 +31,7 @@ from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
 from ..stats import TokenStats
 from . import sft_data
-from .fused_forward import fusable_reason
+from .forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
 from . import data_checks

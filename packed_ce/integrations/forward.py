@@ -17,7 +17,7 @@ from torch import nn
 
 from collators.columns import LABELS, SHIFT_LABELS
 
-from .hooks import checked_call
+from .guards import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 
