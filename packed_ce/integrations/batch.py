@@ -17,7 +17,7 @@ from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, S
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .guards import POSITION_IDS_KEY, batch_tensor
+from .guards import POSITION_IDS_KEY
 
 
 def sequence_boundaries(
@@ -39,22 +39,23 @@ def sequence_boundaries(
         come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
         conversation split across rows, micro-batches or ranks keeps its weight.
 
-    Raises:
-        TypeError naming the key, for a ``cu_seqlens``, ``cu_seq_lens_q``, ``position_ids``,
-        ``seq_targets`` or ``seq_weights`` that is not a tensor (a list, say).
+    A value that is not a tensor (a list, say) is passed on as it is: the loss refuses it, naming
+    its argument, with the rest of its metadata (:func:`packed_ce.validation.check_labels`), so
+    each of these tensors is type-checked once.
     """
-    cu_seqlens = batch_tensor(batch, CU_SEQLENS)
-    if cu_seqlens is not None:
-        found = {CU_SEQLENS: cu_seqlens.to(labels.device)}
-        for key in (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,):
-            if batch_tensor(batch, key) is not None:
-                found[key] = batch[key].to(labels.device)
-        return found
-    if batch_tensor(batch, CU_SEQ_LENS_Q) is not None:
-        return {CU_SEQLENS: batch[CU_SEQ_LENS_Q].to(labels.device)}
+
+    def on_device(value):  # anything but a tensor is refused by name where the loss checks it
+        return value.to(labels.device) if isinstance(value, torch.Tensor) else value
+
+    if batch.get(CU_SEQLENS) is not None:
+        keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
+        found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
+        return {CU_SEQLENS: on_device(batch[CU_SEQLENS]), **found}
+    if batch.get(CU_SEQ_LENS_Q) is not None:
+        return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
     for key in (POSITION_IDS_KEY, POSITION_IDS):
-        if batch_tensor(batch, key) is not None:
-            return {POSITION_IDS: batch[key].to(labels.device)}
+        if batch.get(key) is not None:
+            return {POSITION_IDS: on_device(batch[key])}
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0
     return {CU_SEQLENS: torch.arange(rows + 1, device=labels.device) * row_length}

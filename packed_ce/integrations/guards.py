@@ -7,16 +7,17 @@ from typing import Any
 
 import torch
 
-from collators.columns import (
-    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS,
-)
+from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
 
 # The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
 # any extra keyword it also reaches the attention functions, which ignore keywords they do not
 # know.
 POSITION_IDS_KEY = "packed_ce_position_ids"
-# The per-batch tensors the packed loss reads from a batch or a model call.
-BATCH_TENSORS = (CU_SEQLENS, CU_SEQ_LENS_Q, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS)
+# The per-call tensors the model's own forward reads before the packed loss does (its attention:
+# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter. The
+# loss's own arguments (cu_seqlens, seq_targets, seq_weights, and these where the loss reads them)
+# are type-checked once, with their other metadata, by packed_ce.validation.check_labels.
+MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
@@ -48,7 +49,7 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
     """
-    for key in BATCH_TENSORS:
+    for key in MODEL_TENSORS:
         batch_tensor(kwargs, key)
     if kwargs.get("fused_lm_head"):
         raise ValueError(
@@ -109,8 +110,11 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
 
 
 def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
-    """True if a sequence of the batch starts anywhere but at the start of a row."""
+    """True if a sequence of the batch starts anywhere but at the start of a row (False for
+    ``cu_seqlens`` that are not a tensor: the loss refuses them by name)."""
     if boundaries is not None:
+        if not isinstance(boundaries, torch.Tensor):
+            return False
         tokens = kwargs.get(INPUT_IDS)
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
