@@ -1,10 +1,10 @@
-"""`pack_dataset`'s reading and writing of a `datasets.Dataset`: tokens read in place, rows written in batches.
+"""``pack_dataset``'s reading and writing of a ``datasets.Dataset``: tokens read in place, rows written in batches.
 
-A data set on disk is memory-mapped by `datasets`; its token columns are never copied into memory as a whole.
-`TokenColumn` views each Arrow chunk's offsets and values in place (file-backed pages, which the kernel can
-drop, not the process's own memory), `scan_tokens` checks the tokens and counts each conversation's targets
-a block of about `BLOCK_TOKENS` tokens at a time, and `write_rows` fills the packed rows with
-`datasets.Dataset.map` over the plan (one small row of piece indices per packed row), `BATCH_TOKENS` tokens
+A data set on disk is memory-mapped by ``datasets``; its token columns are never copied into memory as a whole.
+``TokenColumn`` views each Arrow chunk's offsets and values in place (file-backed pages, which the kernel can
+drop, not the process's own memory), ``scan_tokens`` checks the tokens and counts each conversation's targets
+a block of about ``BLOCK_TOKENS`` tokens at a time, and ``write_rows`` fills the packed rows with
+``datasets.Dataset.map`` over the plan (one small row of piece indices per packed row), ``BATCH_TOKENS`` tokens
 of rows at a time, into an Arrow cache file named by a fingerprint (reused by a second call) or, for a data
 set held in memory, into memory. What stays in memory grows with the number of conversations (a few
 integers each), never with the number of tokens.
@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from .checks import check_tokens, targets_per_sequence
+from .columns import INPUT_IDS, LABELS, SEQ_LENGTHS
 
 # Tokens checked at once: the scan's temporaries (a few bytes per token) stay in the tens of MB.
 BLOCK_TOKENS = 1 << 21
@@ -31,11 +32,11 @@ class TokenColumn:
     """A list-of-ints column of an Arrow table, read in place: per chunk, views of its offsets and values.
 
     Args:
-        table (`pyarrow.Table`): the rows, in the data set's order (no indices mapping).
-        name (`str`): the column, lists of ints (any integer width; tokens keep it).
+        table (``pyarrow.Table``): the rows, in the data set's order (no indices mapping).
+        name (``str``): the column, lists of ints (any integer width; tokens keep it).
 
     Attributes:
-        lengths: `(C,)` int64, the length of each row's list.
+        lengths: ``(C,)`` int64, the length of each row's list.
     """
 
     def __init__(self, table, name: str):
@@ -50,7 +51,7 @@ class TokenColumn:
         self.offsets: list[np.ndarray] = []  # per chunk: (rows + 1,) int32/int64 view
         self.values: list[np.ndarray] = []  # per chunk: the values its offsets index, a view
         for chunk in column.chunks:
-            # `offsets` accounts for a sliced chunk and indexes `values`, the whole array behind it.
+            # ``offsets`` accounts for a sliced chunk and indexes ``values``, the whole array behind it.
             values = chunk.values
             if values.null_count:
                 raise ValueError(f"`dataset` column {name!r} has {values.null_count} missing tokens.")
@@ -63,8 +64,8 @@ class TokenColumn:
         self.row_start = np.concatenate([o[:-1] for o in self.offsets] or [_NO_TOKENS]).astype(np.int64)
 
     def blocks(self):
-        """`(first_row, tokens, lengths)` for consecutive rows of about `BLOCK_TOKENS` tokens (a longer row is
-        a block of its own): `tokens` a view of their values back to back, `lengths` `(rows,)` int64."""
+        """``(first_row, tokens, lengths)`` for consecutive rows of about ``BLOCK_TOKENS`` tokens (a longer row is
+        a block of its own): ``tokens`` a view of their values back to back, ``lengths`` ``(rows,)`` int64."""
         first_row = 0
         for offsets, values in zip(self.offsets, self.values):
             num_rows = len(offsets) - 1
@@ -75,20 +76,20 @@ class TokenColumn:
             first_row += num_rows
 
     def gather(self, rows: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Tokens `[offsets[i], offsets[i] + lengths[i])` of row `rows[i]`, for every `i`, back to back (a copy,
+        """Tokens ``[offsets[i], offsets[i] + lengths[i])`` of row ``rows[i]``, for every ``i``, back to back (a copy,
         in the column's integer type)."""
         chunks = self.row_chunk[rows].tolist()
         starts = self.row_start[rows] + offsets
         ends = (starts + lengths).tolist()
         values = self.values
-        # One slice per piece joined by numpy: faster than Arrow's `take` on list arrays, and never more than
+        # One slice per piece joined by numpy: faster than Arrow's ``take`` on list arrays, and never more than
         # the pieces' own tokens in memory.
         parts = [values[k][a:b] for k, a, b in zip(chunks, starts.tolist(), ends)]
         return np.concatenate(parts) if parts else _NO_TOKENS
 
 
 def list_array(bounds: np.ndarray, values):
-    """Arrow lists `values[bounds[i]:bounds[i+1]]`; 64-bit offsets only when 32 bits cannot hold them."""
+    """Arrow lists ``values[bounds[i]:bounds[i+1]]``; 64-bit offsets only when 32 bits cannot hold them."""
     import pyarrow as pa
 
     if bounds[-1] < 2**31:
@@ -97,11 +98,11 @@ def list_array(bounds: np.ndarray, values):
 
 
 def scan_tokens(input_ids: TokenColumn, labels: TokenColumn, kept: np.ndarray, ignore_index: int) -> np.ndarray:
-    """Checks every token (ids >= 0, labels >= 0 or `ignore_index`) and counts the targets of each row within its
-    first `kept` tokens (see `targets_per_sequence`), one block at a time.
+    """Checks every token (ids >= 0, labels >= 0 or ``ignore_index``) and counts the targets of each row within its
+    first ``kept`` tokens (see ``targets_per_sequence``), one block at a time.
 
     Returns:
-        `(C,)` int64 target counts.
+        ``(C,)`` int64 target counts.
     """
     for _, tokens, _ in input_ids.blocks():
         check_tokens(tokens, _NO_TOKENS, ignore_index, "dataset")
@@ -114,16 +115,16 @@ def scan_tokens(input_ids: TokenColumn, labels: TokenColumn, kept: np.ndarray, i
 
 
 class _FillRows:
-    """The `map` function of `write_rows`: a batch of the plan (Arrow) to the same rows with their tokens.
+    """The ``map`` function of ``write_rows``: a batch of the plan (Arrow) to the same rows with their tokens.
 
-    Holds the data set, not its views, when pickled for `num_proc` workers: each builds its own views of the
+    Holds the data set, not its views, when pickled for ``num_proc`` workers: each builds its own views of the
     memory-mapped file.
     """
 
     def __init__(self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None):
         self.dataset = dataset
         self.ignore_index = ignore_index
-        self.columns = columns  # (input_ids, labels) of `dataset`, built when None
+        self.columns = columns  # (input_ids, labels) of ``dataset``, built when None
 
     def __getstate__(self):
         return {"dataset": self.dataset, "ignore_index": self.ignore_index, "columns": None}
@@ -134,8 +135,8 @@ class _FillRows:
 
         if self.columns is None:
             table = self.dataset.data.table
-            self.columns = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
-        pieces = batch.column("seq_lengths").combine_chunks()
+            self.columns = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
+        pieces = batch.column(SEQ_LENGTHS).combine_chunks()
         length = pc.list_flatten(pieces).to_numpy().astype(np.int64)
         source, offset = (pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in PIECE_COLUMNS)
         input_ids, labels = (column.gather(source, offset, length) for column in self.columns)
@@ -143,39 +144,39 @@ class _FillRows:
         labels[(np.cumsum(length) - length)[offset > 0]] = self.ignore_index
         per_row = pc.list_value_length(pieces).to_numpy().astype(np.int64)
         token_bounds = np.concatenate(([0], np.cumsum(length)))[np.concatenate(([0], np.cumsum(per_row)))]
-        columns = {"input_ids": list_array(token_bounds, pa.array(input_ids)),
-                   "labels": list_array(token_bounds, pa.array(labels))}
+        columns = {INPUT_IDS: list_array(token_bounds, pa.array(input_ids)),
+                   LABELS: list_array(token_bounds, pa.array(labels))}
         columns.update((n, batch.column(n)) for n in batch.column_names if n not in PIECE_COLUMNS)
         return pa.table(columns)
 
 
 def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, fingerprint: str | None, max_length: int,
                ignore_index: int, cache_file_name: str | None, num_proc: int | None, load_from_cache_file: bool | None):
-    """The packed rows: `plan`'s rows (`_conversation`, `_offset`, `seq_lengths`, then the columns carried to
-    them) with `input_ids` and `labels` filled in from `dataset`, written with `datasets.Dataset.map`.
+    """The packed rows: ``plan``'s rows (``_conversation``, ``_offset``, ``seq_lengths``, then the columns carried to
+    them) with ``input_ids`` and ``labels`` filled in from ``dataset``, written with ``datasets.Dataset.map``.
 
     Args:
-        dataset (`datasets.Dataset`): the conversations, without an indices mapping.
-        columns: its `input_ids` and `labels`, already read (a worker process reads its own).
-        plan (`pyarrow.Table`): one row per packed row; `_conversation` and `_offset` locate each piece.
-        fingerprint (`str`, *optional*): the result's; None for a data set read from an `IterableDataset`.
-        cache_file_name, num_proc, load_from_cache_file: as in `pack_dataset`.
+        dataset (``datasets.Dataset``): the conversations, without an indices mapping.
+        columns: its ``input_ids`` and ``labels``, already read (a worker process reads its own).
+        plan (``pyarrow.Table``): one row per packed row; ``_conversation`` and ``_offset`` locate each piece.
+        fingerprint (``str``, *optional*): the result's; None for a data set read from an ``IterableDataset``.
+        cache_file_name, num_proc, load_from_cache_file: as in ``pack_dataset``.
 
     Returns:
-        `datasets.Dataset`: backed by the cache file(s), or in memory when `dataset` is in memory and no
-        `cache_file_name` is given.
+        ``datasets.Dataset``: backed by the cache file(s), or in memory when ``dataset`` is in memory and no
+        ``cache_file_name`` is given.
     """
     import datasets
     from datasets.fingerprint import generate_random_fingerprint, get_temporary_cache_files_directory
 
     if cache_file_name is None and dataset.cache_files and fingerprint is not None:
-        # Beside the data set's own files, named as `map` names its cache; a temporary folder when caching is
-        # off, as `datasets` does.
+        # Beside the data set's own files, named as ``map`` names its cache; a temporary folder when caching is
+        # off, as ``datasets`` does.
         enabled = datasets.is_caching_enabled()
         folder = os.path.dirname(dataset.cache_files[0]["filename"]) if enabled else None
         cache_file_name = os.path.join(folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow")
     fill = _FillRows(dataset, ignore_index, columns)
-    if plan.num_rows == 0:  # `map` would call nothing and return no column
+    if plan.num_rows == 0:  # ``map`` would call nothing and return no column
         return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
     rows = datasets.Dataset(datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint())
     batch_size = max(1, BATCH_TOKENS // max_length)

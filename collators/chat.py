@@ -1,4 +1,4 @@
-"""Conversations in the `messages` format to `input_ids` and assistant-only `labels`."""
+"""Conversations in the ``messages`` format to ``input_ids`` and assistant-only ``labels``."""
 
 from __future__ import annotations
 
@@ -8,17 +8,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .checks import positive_int
+from .columns import IGNORE_INDEX, INPUT_IDS, LABELS
 
 logger = logging.getLogger(__name__)
 
-# The label of untrained tokens (PyTorch's `ignore_index` default).
-IGNORE_INDEX = -100
-
-# `{% generation %}` / `{%- generation -%}`: the template marks the assistant output itself.
+# ``{% generation %}`` / ``{%- generation -%}``: the template marks the assistant output itself.
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # Stands in for one assistant message's content when the template rewrites earlier turns (see
-# `_content_chars`): a private-use character no tokenizer merges with its neighbours' text.
+# ``_content_chars``): a private-use character no tokenizer merges with its neighbours' text.
 _SENTINEL = "\ue000"
 
 
@@ -35,18 +33,18 @@ def tokenize_conversation(
 ) -> dict[str, list[int]] | None:
     """Tokenize one conversation and label the tokens of every assistant turn.
 
-    `input_ids` are exactly `tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]`.
-    `labels` equal `input_ids` on the tokens the assistant produces, in every assistant turn of a
-    multi-turn conversation, including the token(s) that close each turn (`<|im_end|>`, `<|eot_id|>`,
-    `</s>`, `<end_of_turn>`, ...) so the model learns to stop; they are `ignore_index` on system, user
+    ``input_ids`` are exactly ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``.
+    ``labels`` equal ``input_ids`` on the tokens the assistant produces, in every assistant turn of a
+    multi-turn conversation, including the token(s) that close each turn (``<|im_end|>``, ``<|eot_id|>``,
+    ``</s>``, ``<end_of_turn>``, ...) so the model learns to stop; they are ``ignore_index`` on system, user
     and tool turns and on the template's scaffolding (role headers, separators between turns).
 
     How the assistant tokens are found:
 
-    - If the chat template has `{% generation %}` markers, the template's own mask
-      (`return_assistant_tokens_mask=True`) decides.
-    - Otherwise, for assistant message `i`, the conversation up to message `i - 1` is rendered with the
-      generation prompt and the conversation up to message `i` without it: the text between the two ends
+    - If the chat template has ``{% generation %}`` markers, the template's own mask
+      (``return_assistant_tokens_mask=True``) decides.
+    - Otherwise, for assistant message ``i``, the conversation up to message ``i - 1`` is rendered with the
+      generation prompt and the conversation up to message ``i`` without it: the text between the two ends
       is what the assistant turn adds. Its tokens are trained up to the last special token in it (the turn's
       closing token); plain-text separators after that token are not. A template with no special token in
       the turn has everything it adds trained.
@@ -56,32 +54,32 @@ def tokenize_conversation(
       included). Tool calls of such templates are only found through generation markers.
 
     Args:
-        tokenizer (`transformers.PreTrainedTokenizerBase`):
+        tokenizer (``transformers.PreTrainedTokenizerBase``):
             Any tokenizer with a chat template. Without generation markers a fast tokenizer is needed
             (character offsets).
-        messages (`list[dict]`):
-            The conversation: `[{"role": ..., "content": ...}, ...]`. An assistant message may carry
-            `tool_calls` instead of `content`.
-        max_length (`int`, *optional*):
-            Keep only the first `max_length` tokens (labels cut at the same place).
-        tools (`list[dict]`, *optional*):
+        messages (``list[dict]``):
+            The conversation: ``[{"role": ..., "content": ...}, ...]``. An assistant message may carry
+            ``tool_calls`` instead of ``content``.
+        max_length (``int``, *optional*):
+            Keep only the first ``max_length`` tokens (labels cut at the same place).
+        tools (``list[dict]``, *optional*):
             Tool schemas, passed to the chat template.
-        chat_template (`str`, *optional*):
-            A template to use instead of `tokenizer.chat_template`.
-        skip_no_assistant (`bool`, *optional*, defaults to `False`):
-            A conversation without an assistant turn has nothing to learn from: raise a `ValueError` (default)
-            or return `None` so the caller can count and skip it (as `tokenize_dataset` does).
-        ignore_index (`int`, *optional*, defaults to -100):
+        chat_template (``str``, *optional*):
+            A template to use instead of ``tokenizer.chat_template``.
+        skip_no_assistant (``bool``, *optional*, defaults to ``False``):
+            A conversation without an assistant turn has nothing to learn from: raise a ``ValueError`` (default)
+            or return ``None`` so the caller can count and skip it (as ``tokenize_dataset`` does).
+        ignore_index (``int``, *optional*, defaults to -100):
             The label of tokens that are not trained.
         **template_kwargs:
             Extra variables for the chat template.
 
     Returns:
-        `dict` with `input_ids` and `labels`, two lists of ints of the same length, or `None` for a skipped
+        ``dict`` with ``input_ids`` and ``labels``, two lists of ints of the same length, or ``None`` for a skipped
         conversation.
 
     Raises:
-        `ValueError`: the tokenizer has no chat template, a message lacks `role` or `content`, the
+        ``ValueError``: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
         conversation has no assistant turn (unless skipped), or an assistant turn cannot be located.
 
     Example:
@@ -114,14 +112,14 @@ def tokenize_conversation(
         encoding = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **render_kwargs
         )
-        input_ids = list(encoding["input_ids"])
+        input_ids = list(encoding[INPUT_IDS])
         labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
     else:
         input_ids, labels = _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index)
 
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
-    return {"input_ids": input_ids, "labels": labels}
+    return {INPUT_IDS: input_ids, LABELS: labels}
 
 
 def tokenize_dataset(
@@ -134,22 +132,22 @@ def tokenize_dataset(
     num_proc: int | None = None,
     **kwargs,
 ):
-    """Tokenize every conversation of a `datasets.Dataset` with `tokenize_conversation`.
+    """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
 
     Args:
-        dataset (`datasets.Dataset`): has a column of conversations in the `messages` format.
-        tokenizer (`transformers.PreTrainedTokenizerBase`): any tokenizer with a chat template.
-        max_length (`int`, *optional*): keep only the first `max_length` tokens of each conversation. Leave it
-            unset when packing: `pack_dataset` counts and reports over-long conversations itself.
-        messages_column (`str`, *optional*, defaults to `"messages"`): the column holding the conversations.
-        skip_no_assistant (`bool`, *optional*, defaults to `True`): drop conversations without an assistant
-            turn; their number is logged as a warning. With `False` they raise.
-        num_proc (`int`, *optional*): processes for `datasets.Dataset.map`.
-        **kwargs: passed to `tokenize_conversation` (`tools`, `chat_template`, template variables).
+        dataset (``datasets.Dataset``): has a column of conversations in the ``messages`` format.
+        tokenizer (``transformers.PreTrainedTokenizerBase``): any tokenizer with a chat template.
+        max_length (``int``, *optional*): keep only the first ``max_length`` tokens of each conversation. Leave it
+            unset when packing: ``pack_dataset`` counts and reports over-long conversations itself.
+        messages_column (``str``, *optional*, defaults to ``"messages"``): the column holding the conversations.
+        skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop conversations without an assistant
+            turn; their number is logged as a warning. With ``False`` they raise.
+        num_proc (``int``, *optional*): processes for ``datasets.Dataset.map``.
+        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, template variables).
 
     Returns:
-        `datasets.Dataset` with the columns `input_ids` and `labels` (lists of ints) in place of
-        `messages_column`, every other column kept (a `weight`, a `source`, ids: `pack_dataset` carries them to
+        ``datasets.Dataset`` with the columns ``input_ids`` and ``labels`` (lists of ints) in place of
+        ``messages_column``, every other column kept (a ``weight``, a ``source``, ids: ``pack_dataset`` carries them to
         the packed rows), one row per kept conversation, in the input order.
 
     Example:
@@ -170,21 +168,21 @@ def tokenize_dataset(
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
         raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
-    taken = [name for name in ("input_ids", "labels", "_kept") if name in dataset.column_names]
+    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
     if taken:
         raise ValueError(
             f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove or rename them."
         )
 
     def tokenize_batch(batch):
-        out = {"input_ids": [], "labels": [], "_kept": []}
+        out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         for messages in batch[messages_column]:
             example = tokenize_conversation(
                 tokenizer, messages, max_length=max_length, skip_no_assistant=skip_no_assistant, **kwargs
             )
             out["_kept"].append(example is not None)
-            out["input_ids"].append(example["input_ids"] if example else [])
-            out["labels"].append(example["labels"] if example else [])
+            out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
+            out[LABELS].append(example[LABELS] if example else [])
         return out
 
     tokenized = dataset.map(
@@ -234,7 +232,7 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
     text = _render(tokenizer, messages, render_kwargs)
     # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
+    input_ids = list(encoding[INPUT_IDS])
     offsets = [tuple(span) for span in encoding["offset_mapping"]]
     token_at = [-1] * len(text)
     for token, (start, end) in enumerate(offsets):
@@ -261,7 +259,7 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
 
 
 def _turn_span(tokenizer, messages, turn, text, render_kwargs):
-    """Characters that assistant message `turn` adds after its generation prompt, or None."""
+    """Characters that assistant message ``turn`` adds after its generation prompt, or None."""
     if turn == 0:
         return None
     head = _render(tokenizer, messages[:turn], render_kwargs, add_generation_prompt=True)
@@ -272,7 +270,7 @@ def _turn_span(tokenizer, messages, turn, text, render_kwargs):
 
 
 def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int, int]:
-    """Characters of message `turn`'s content in the full render, found by rendering a stand-in instead."""
+    """Characters of message ``turn``'s content in the full render, found by rendering a stand-in instead."""
     stand_in = [dict(message) for message in messages]
     stand_in[turn]["content"] = _SENTINEL
     stand_in[turn].pop("tool_calls", None)

@@ -1,6 +1,6 @@
 """Argument checks shared by the tokenizer, packing and collator entry points.
 
-Every check raises `TypeError` (wrong kind of value) or `ValueError` (right kind, wrong value) with the
+Every check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value) with the
 argument's name in the message, so a bad input never becomes a silently truncated float, a dropped token or
 a bare numpy error.
 """
@@ -15,7 +15,7 @@ import torch
 
 
 def positive_int(value, name: str, *, minimum: int = 1) -> int:
-    """`value` as an `int`, which must be an integer (not a bool or a float) and at least `minimum`."""
+    """``value`` as an ``int``, which must be an integer (not a bool or a float) and at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
     if value < minimum:
@@ -27,8 +27,8 @@ def token_array(value, name: str) -> np.ndarray:
     """A sequence of token ids or labels as a 1-D int64 array.
 
     Accepts a list, tuple, numpy array or tensor of integers. A 2-D array or tensor with one row (what
-    `tokenizer(..., return_tensors="pt")` returns, shape `(1, T)`) is that row; any other 2-D or deeper shape
-    is refused, as are floats and bools (`[1.7]` would otherwise become token 1) and `None` entries.
+    ``tokenizer(..., return_tensors="pt")`` returns, shape ``(1, T)``) is that row; any other 2-D or deeper shape
+    is refused, as are floats and bools (``[1.7]`` would otherwise become token 1) and ``None`` entries.
     """
     if torch.is_tensor(value):
         value = value.detach().cpu().numpy()
@@ -48,7 +48,7 @@ def token_array(value, name: str) -> np.ndarray:
 
 
 def check_tokens(input_ids: np.ndarray, labels: np.ndarray, ignore_index: int, name: str) -> None:
-    """Token ids are >= 0 and every label is `ignore_index` or >= 0 (a class index)."""
+    """Token ids are >= 0 and every label is ``ignore_index`` or >= 0 (a class index)."""
     if input_ids.size and input_ids.min() < 0:
         raise ValueError(f"`{name}` has a negative token id {int(input_ids.min())} in `input_ids`.")
     bad = (labels < 0) & (labels != ignore_index)
@@ -87,7 +87,7 @@ def weight_array(values, name: str) -> np.ndarray:
 
 # The widest ratio of two positive conversation weights a trainer takes. A step divides each
 # weight by the step's weight mass in float64, and its targets' float32 loss coefficients
-# `weight / (mass * targets)` must stay normal numbers: with the lightest weight 2**-64 of the
+# ``weight / (mass * targets)`` must stay normal numbers: with the lightest weight 2**-64 of the
 # heaviest, that is >= 2**-64 / (2**20 conversations * 2**24 targets) = 2**-108 > 2**-126. A weight
 # further below would train nothing and its conversations' loss could not be logged.
 WEIGHT_RATIO_LIMIT = 2.0**64
@@ -95,12 +95,12 @@ WEIGHT_RATIO_LIMIT = 2.0**64
 
 def check_weight_range(weights: np.ndarray, where, data_name: str) -> None:
     """Whether a data set's conversation weights can be carried exactly: not all 0, positive ones
-    normal float64 numbers within `WEIGHT_RATIO_LIMIT` of each other, and a finite sum.
+    normal float64 numbers within ``WEIGHT_RATIO_LIMIT`` of each other, and a finite sum.
 
     Args:
-        weights: `(C,)` float64, each already finite and >= 0 (`conversation_weight`, `weight_array`).
-        where: `where(i)` names weight `i` in an error (`"train_dataset[3]['weight']"`).
-        data_name: names the data set in an error (`"train_dataset"`).
+        weights: ``(C,)`` float64, each already finite and >= 0 (``conversation_weight``, ``weight_array``).
+        where: ``where(i)`` names weight ``i`` in an error (``"train_dataset[3]['weight']"``).
+        data_name: names the data set in an error (``"train_dataset"``).
 
     Raises:
         ValueError naming the weight (or the data set, when every weight is 0) and the fix.
@@ -142,17 +142,17 @@ def check_weight_range(weights: np.ndarray, where, data_name: str) -> None:
 def targets_per_sequence(
     labels: np.ndarray, lengths: np.ndarray, ignore_index: int, *, counted: np.ndarray | None = None
 ) -> np.ndarray:
-    """Targets of each sequence under the causal shift: labels other than `ignore_index` after its first token.
+    """Targets of each sequence under the causal shift: labels other than ``ignore_index`` after its first token.
 
     Args:
-        labels: `(N,)` int64, the sequences back to back.
-        lengths: `(S,)` int64 >= 0, summing to `N`.
-        counted: `(S,)` int64, optional: count only the first `counted[s] <= lengths[s]` tokens of sequence
-            `s` (what truncation keeps).
+        labels: ``(N,)`` int64, the sequences back to back.
+        lengths: ``(S,)`` int64 >= 0, summing to ``N``.
+        counted: ``(S,)`` int64, optional: count only the first ``counted[s] <= lengths[s]`` tokens of sequence
+            ``s`` (what truncation keeps).
 
     Returns:
-        `(S,)` int64: for sequence `s`, the count of `labels[t] != ignore_index` for `t` in
-        `(start_s, start_s + counted_s)`: the first label of a sequence is no target (no token before it
+        ``(S,)`` int64: for sequence ``s``, the count of ``labels[t] != ignore_index`` for ``t`` in
+        ``(start_s, start_s + counted_s)``: the first label of a sequence is no target (no token before it
         predicts it).
     """
     starts = np.cumsum(lengths) - lengths

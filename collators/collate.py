@@ -1,8 +1,8 @@
 """Batches for training: packed (one row, exact boundaries) and padded (the unpacked baseline).
 
-Both describe their sequences with `cu_seqlens` over the flattened tokens, count the sequences that
-have a target in `num_sequences`, and give each sequence its conversation's target count in
-`seq_targets` (and its weight in `seq_weights` when the data carry one), so one call
+Both describe their sequences with ``cu_seqlens`` over the flattened tokens, count the sequences that
+have a target in ``num_sequences``, and give each sequence its conversation's target count in
+``seq_targets`` (and its weight in ``seq_weights`` when the data carry one), so one call
 
     packed_ce.cross_entropy(logits, batch["labels"], cu_seqlens=batch["cu_seqlens"],
                             seq_targets=batch["seq_targets"], is_packed=True, shift=True)
@@ -17,31 +17,33 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .chat import IGNORE_INDEX
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
-from .packing import SOURCE_COLUMN, WEIGHT_COLUMN
+from .columns import (
+    ATTENTION_MASK, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, MAX_SEQLEN, NUM_SEQUENCES, POSITION_IDS,
+    SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN,
+)
 
 
 def _example(example, index: int, ignore_index: int):
-    """`(input_ids, labels, seq_lengths, seq_targets, seq_weights)` of one example, checked.
+    """``(input_ids, labels, seq_lengths, seq_targets, seq_weights)`` of one example, checked.
 
-    `seq_targets` and `seq_weights` are None when the example carries none; a single conversation's
-    `weight` becomes its one-element `seq_weights`.
+    ``seq_targets`` and ``seq_weights`` are None when the example carries none; a single conversation's
+    ``weight`` becomes its one-element ``seq_weights``.
     """
     name = f"examples[{index}]"
-    if not isinstance(example, Mapping) or "input_ids" not in example:
+    if not isinstance(example, Mapping) or INPUT_IDS not in example:
         raise TypeError(f"`{name}` must be a dict with 'input_ids', got {type(example).__name__}.")
-    input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
-    labels = input_ids if example.get("labels") is None else token_array(example["labels"], f"{name}['labels']")
+    input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
+    labels = input_ids if example.get(LABELS) is None else token_array(example[LABELS], f"{name}['labels']")
     check_tokens(input_ids, labels, ignore_index, name)
-    lengths = example.get("seq_lengths")
+    lengths = example.get(SEQ_LENGTHS)
     lengths = np.array([len(input_ids)]) if lengths is None else token_array(lengths, f"{name}['seq_lengths']")
     if len(labels) != len(input_ids) or lengths.sum() != len(input_ids) or (lengths < 0).any():
         raise ValueError(
             f"`{name}` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths {lengths.tolist()}: "
             "the lengths must be >= 0 and the three must agree."
         )
-    targets = example.get("seq_targets")
+    targets = example.get(SEQ_TARGETS)
     if targets is not None:
         targets = token_array(targets, f"{name}['seq_targets']")
         if len(targets) != len(lengths) or (targets < 0).any():
@@ -50,10 +52,10 @@ def _example(example, index: int, ignore_index: int):
 
 
 def sequence_weights(example, index: int, count: int) -> np.ndarray | None:
-    """The `count` sequences' weights of one example (`examples[index]`), checked: `seq_weights` (per
-    sequence, as `pack_dataset` writes them) or a conversation's `weight`; None where it carries neither."""
+    """The ``count`` sequences' weights of one example (``examples[index]``), checked: ``seq_weights`` (per
+    sequence, as ``pack_dataset`` writes them) or a conversation's ``weight``; None where it carries neither."""
     name = f"examples[{index}]"
-    weights = example.get("seq_weights")
+    weights = example.get(SEQ_WEIGHTS)
     if weights is not None:
         weights = weight_array(weights, f"{name}['seq_weights']")
         if len(weights) != count:
@@ -66,11 +68,11 @@ def sequence_weights(example, index: int, count: int) -> np.ndarray | None:
 
 
 def sequence_sources(example, index: int, count: int) -> list:
-    """The `count` sequences' sources of one example (`examples[index]`), checked: `seq_sources` (per
-    sequence, as `pack_dataset` writes them) or a conversation's `source`; None for each where the
+    """The ``count`` sequences' sources of one example (``examples[index]``), checked: ``seq_sources`` (per
+    sequence, as ``pack_dataset`` writes them) or a conversation's ``source``; None for each where the
     example names none."""
     name = f"examples[{index}]"
-    sources = example.get("seq_sources")
+    sources = example.get(SEQ_SOURCES)
     if sources is None:
         source = example.get(SOURCE_COLUMN)
         if source is not None and count != 1:
@@ -85,10 +87,10 @@ def sequence_sources(example, index: int, count: int) -> list:
 
 
 def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
-    """`seq_targets` of a batch: given counts (whole conversations) where present, else each sequence's own.
+    """``seq_targets`` of a batch: given counts (whole conversations) where present, else each sequence's own.
 
-    `given` is one entry per example: an array aligned with its sequences, or None. A sequence without
-    targets gets 1 (nothing to weigh, and `weight / seq_targets` stays finite); a given count below the
+    ``given`` is one entry per example: an array aligned with its sequences, or None. A sequence without
+    targets gets 1 (nothing to weigh, and ``weight / seq_targets`` stays finite); a given count below the
     sequence's own is refused, as it would weigh a target above its conversation's share.
     """
     own = targets_per_sequence(labels, lengths, ignore_index)
@@ -128,50 +130,50 @@ class _Collator:
 class PackedCollator(_Collator):
     """Concatenate conversations into one row with exact sequence boundaries (padding-free batches).
 
-    Takes tokenized conversations (`input_ids`, `labels`) or rows of `pack_dataset` / `pack_stream` (which
-    add `seq_lengths`, the length of each conversation in the row) and returns one row of `T` tokens:
+    Takes tokenized conversations (``input_ids``, ``labels``) or rows of ``pack_dataset`` / ``pack_stream`` (which
+    add ``seq_lengths``, the length of each conversation in the row) and returns one row of ``T`` tokens:
 
-    - `input_ids` `(1, T)` int64: the tokens, back to back.
-    - `labels` `(1, T)` int64: aligned with `input_ids` (the model or the loss shifts them), with the first label
-      of every sequence set to `ignore_index`. With the usual shift the last token of one conversation would
+    - ``input_ids`` ``(1, T)`` int64: the tokens, back to back.
+    - ``labels`` ``(1, T)`` int64: aligned with ``input_ids`` (the model or the loss shifts them), with the first label
+      of every sequence set to ``ignore_index``. With the usual shift the last token of one conversation would
       otherwise be trained to predict the first token of the next; a plain shifted loss (transformers'
       built-in one) then never trains across a boundary.
-    - `position_ids` `(1, T)` int64: `0, 1, 2, ...` restarting at every sequence.
-    - `cu_seqlens` `(S + 1,)` int32: cumulative sequence lengths, `cu_seqlens[0] == 0`, `cu_seqlens[-1] == T`.
-    - `max_seqlen` (`int`): the longest sequence.
-    - `num_sequences` (`int`): the sequences with at least one target, i.e. a label other than
-      `ignore_index` after the first position: the denominator of a per-sequence mean.
-    - `seq_targets` `(S,)` int32, aligned with `cu_seqlens`: for each sequence, the number of targets of the
-      whole conversation it belongs to (under the shift: labels other than `ignore_index` after its first
-      token). A sequence's own count unless the example gives `seq_targets` (the pieces of a conversation
-      split by `pack_dataset(..., overflow="split")`). A sequence without targets, and the padding segment,
-      get 1: they hold no target to weigh, and a loss weighing each target `seq_weight / seq_targets` never
+    - ``position_ids`` ``(1, T)`` int64: ``0, 1, 2, ...`` restarting at every sequence.
+    - ``cu_seqlens`` ``(S + 1,)`` int32: cumulative sequence lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``.
+    - ``max_seqlen`` (``int``): the longest sequence.
+    - ``num_sequences`` (``int``): the sequences with at least one target, i.e. a label other than
+      ``ignore_index`` after the first position: the denominator of a per-sequence mean.
+    - ``seq_targets`` ``(S,)`` int32, aligned with ``cu_seqlens``: for each sequence, the number of targets of the
+      whole conversation it belongs to (under the shift: labels other than ``ignore_index`` after its first
+      token). A sequence's own count unless the example gives ``seq_targets`` (the pieces of a conversation
+      split by ``pack_dataset(..., overflow="split")``). A sequence without targets, and the padding segment,
+      get 1: they hold no target to weigh, and a loss weighing each target ``seq_weight / seq_targets`` never
       divides by 0.
-    - `seq_weights` `(S,)` float64, only when the examples carry weights (`seq_weights` per sequence or
-      `weight` per conversation): each sequence's conversation weight; 0 for the padding segment. float64:
+    - ``seq_weights`` ``(S,)`` float64, only when the examples carry weights (``seq_weights`` per sequence or
+      ``weight`` per conversation): each sequence's conversation weight; 0 for the padding segment. float64:
       a weight below float32's range (1e-46) or above it (1e39) keeps its value, and the loss divides the
       weights by their mass in float64 before any float32 arithmetic.
-    - `seq_sources` (list of `str` or None, aligned with `cu_seqlens`), only when some example names its
-      source (`seq_sources` per sequence or `source` per conversation): where each sequence comes from, for
-      a loss per source (the trainers log `loss/<source>`); None for the padding segment.
-    - with `return_varlen_kwargs=True`, transformers' flash-attention keywords: `cu_seq_lens_q`,
-      `cu_seq_lens_k` (the `cu_seqlens` tensor) and `max_length_q`, `max_length_k` (`max_seqlen`).
+    - ``seq_sources`` (list of ``str`` or None, aligned with ``cu_seqlens``), only when some example names its
+      source (``seq_sources`` per sequence or ``source`` per conversation): where each sequence comes from, for
+      a loss per source (the trainers log ``loss/<source>``); None for the padding segment.
+    - with ``return_varlen_kwargs=True``, transformers' flash-attention keywords: ``cu_seq_lens_q``,
+      ``cu_seq_lens_k`` (the ``cu_seqlens`` tensor) and ``max_length_q``, ``max_length_k`` (``max_seqlen``).
 
-    There is deliberately no `attention_mask`. Transformers recognises a packed row from `position_ids`
-    alone, and only when no `attention_mask` and no KV cache are given: sdpa and eager attention then build a
+    There is deliberately no ``attention_mask``. Transformers recognises a packed row from ``position_ids``
+    alone, and only when no ``attention_mask`` and no KV cache are given: sdpa and eager attention then build a
     block-diagonal causal mask, flash attention uses the varlen keywords. Call the model with
-    `model(**batch, use_cache=False)`; the extra keys travel through `**kwargs` untouched.
+    ``model(**batch, use_cache=False)``; the extra keys travel through ``**kwargs`` untouched.
 
-    With `pad_to_multiple_of`, `T` is rounded up by a padding segment of `pad_token_id` tokens: its own
-    sequence in `cu_seqlens`, positions `0, 1, ...`, all labels `ignore_index`, not counted in `num_sequences`,
-    `seq_targets` 1 and `seq_weights` 0.
+    With ``pad_to_multiple_of``, ``T`` is rounded up by a padding segment of ``pad_token_id`` tokens: its own
+    sequence in ``cu_seqlens``, positions ``0, 1, ...``, all labels ``ignore_index``, not counted in ``num_sequences``,
+    ``seq_targets`` 1 and ``seq_weights`` 0.
 
     Args:
-        pad_to_multiple_of (`int`, *optional*): round `T` up to a multiple of this (fixed shapes help compiled
+        pad_to_multiple_of (``int``, *optional*): round ``T`` up to a multiple of this (fixed shapes help compiled
             kernels).
-        pad_token_id (`int`, *optional*, defaults to 0): token of the padding segment.
-        ignore_index (`int`, *optional*, defaults to -100): label of untrained tokens.
-        return_varlen_kwargs (`bool`, *optional*, defaults to `True`): add transformers' varlen keywords.
+        pad_token_id (``int``, *optional*, defaults to 0): token of the padding segment.
+        ignore_index (``int``, *optional*, defaults to -100): label of untrained tokens.
+        return_varlen_kwargs (``bool``, *optional*, defaults to ``True``): add transformers' varlen keywords.
 
     Example:
 
@@ -193,7 +195,7 @@ class PackedCollator(_Collator):
     >>> batch["seq_targets"]
     tensor([2, 2, 1], dtype=torch.int32)
 
-    The two pieces of a conversation split by `pack_dataset`, each carrying the conversation's 4 targets, and
+    The two pieces of a conversation split by ``pack_dataset``, each carrying the conversation's 4 targets, and
     a weighted conversation:
 
     >>> rows = [{"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4], "seq_targets": [4],
@@ -221,11 +223,11 @@ class PackedCollator(_Collator):
         self.return_varlen_kwargs = return_varlen_kwargs
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
-        """Collate `examples` into one packed row.
+        """Collate ``examples`` into one packed row.
 
-        Each example is a dict with `input_ids` and optionally `labels` (missing: every token is trained),
-        `seq_lengths` (missing: the example is one sequence), `seq_targets`, `seq_weights` and `seq_sources`
-        (per sequence, as `pack_dataset` writes them) or `weight` and `source` (a single conversation's).
+        Each example is a dict with ``input_ids`` and optionally ``labels`` (missing: every token is trained),
+        ``seq_lengths`` (missing: the example is one sequence), ``seq_targets``, ``seq_weights`` and ``seq_sources``
+        (per sequence, as ``pack_dataset`` writes them) or ``weight`` and ``source`` (a single conversation's).
         Weights must be given for every example of the batch or for none.
         """
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
@@ -268,20 +270,20 @@ class PackedCollator(_Collator):
 
         cu_seqlens = torch.from_numpy(cu_seqlens.astype(np.int32))
         batch = {
-            "input_ids": torch.from_numpy(input_ids)[None],
-            "labels": torch.from_numpy(labels)[None],
-            "position_ids": torch.from_numpy(position_ids)[None],
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": max_seqlen,
-            "num_sequences": int(has_target.sum()),
-            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
+            INPUT_IDS: torch.from_numpy(input_ids)[None],
+            LABELS: torch.from_numpy(labels)[None],
+            POSITION_IDS: torch.from_numpy(position_ids)[None],
+            CU_SEQLENS: cu_seqlens,
+            MAX_SEQLEN: max_seqlen,
+            NUM_SEQUENCES: int(has_target.sum()),
+            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
         if seq_weights is not None:
             seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
-            batch["seq_weights"] = torch.from_numpy(seq_weights)  # float64, see the docstring
+            batch[SEQ_WEIGHTS] = torch.from_numpy(seq_weights)  # float64, see the docstring
         if any(source is not None for source in seq_sources):
             kept = [source for source, keep in zip(seq_sources, nonempty) if keep]
-            batch["seq_sources"] = kept + [None] * bool(num_padding)
+            batch[SEQ_SOURCES] = kept + [None] * bool(num_padding)
         if self.return_varlen_kwargs:
             batch.update(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
@@ -290,26 +292,26 @@ class PackedCollator(_Collator):
 
 
 class PaddedCollator(_Collator):
-    """Pad conversations to a `(B, T)` batch: the unpacked baseline, with the same boundary metadata.
+    """Pad conversations to a ``(B, T)`` batch: the unpacked baseline, with the same boundary metadata.
 
     Returns:
 
-    - `input_ids` `(B, T)` int64, right-padded with `pad_token_id`;
-    - `attention_mask` `(B, T)` int64, 1 on real tokens;
-    - `labels` `(B, T)` int64, `ignore_index` on padding and on the first token of each conversation (as in
-      `PackedCollator`, so both batches hold exactly the same targets);
-    - `cu_seqlens` `(B + 1,)` int32, `arange(B + 1) * T`: each row is one sequence of the flattened `B * T`
+    - ``input_ids`` ``(B, T)`` int64, right-padded with ``pad_token_id``;
+    - ``attention_mask`` ``(B, T)`` int64, 1 on real tokens;
+    - ``labels`` ``(B, T)`` int64, ``ignore_index`` on padding and on the first token of each conversation (as in
+      ``PackedCollator``, so both batches hold exactly the same targets);
+    - ``cu_seqlens`` ``(B + 1,)`` int32, ``arange(B + 1) * T``: each row is one sequence of the flattened ``B * T``
       tokens (its padding included, which has no target);
-    - `num_sequences` (`int`): rows with at least one target;
-    - `seq_targets` `(B,)` int32: each row's target count under the shift (or the example's `seq_targets`,
-      for a piece of a split conversation), 1 for a row without targets (see `PackedCollator`);
-    - `seq_weights` `(B,)` float64, when the examples carry weights (see `PackedCollator`);
-    - `seq_sources` (list of `str` or None), when some example names its `source`.
+    - ``num_sequences`` (``int``): rows with at least one target;
+    - ``seq_targets`` ``(B,)`` int32: each row's target count under the shift (or the example's ``seq_targets``,
+      for a piece of a split conversation), 1 for a row without targets (see ``PackedCollator``);
+    - ``seq_weights`` ``(B,)`` float64, when the examples carry weights (see ``PackedCollator``);
+    - ``seq_sources`` (list of ``str`` or None), when some example names its ``source``.
 
     Args:
-        pad_token_id (`int`, *optional*, defaults to 0): padding token.
-        pad_to_multiple_of (`int`, *optional*): round `T` up to a multiple of this.
-        ignore_index (`int`, *optional*, defaults to -100): label of untrained tokens.
+        pad_token_id (``int``, *optional*, defaults to 0): padding token.
+        pad_to_multiple_of (``int``, *optional*): round ``T`` up to a multiple of this.
+        ignore_index (``int``, *optional*, defaults to -100): label of untrained tokens.
 
     Example:
 
@@ -333,8 +335,8 @@ class PaddedCollator(_Collator):
         _Collator.__init__(self, pad_to_multiple_of, pad_token_id, ignore_index)
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
-        """Collate `examples`, one conversation each: dicts with `input_ids` and optionally `labels`,
-        `seq_targets` / `seq_weights` (one entry, as in a row of `pack_dataset`) or `weight`."""
+        """Collate ``examples``, one conversation each: dicts with ``input_ids`` and optionally ``labels``,
+        ``seq_targets`` / ``seq_weights`` (one entry, as in a row of ``pack_dataset``) or ``weight``."""
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
         if not parts:
             raise ValueError("`examples` is empty.")
@@ -365,16 +367,16 @@ class PaddedCollator(_Collator):
             labels.reshape(-1), np.full(len(parts), width), [(1, part[3]) for part in parts], self.ignore_index
         )
         batch = {
-            "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(attention_mask),
-            "labels": torch.from_numpy(labels),
-            "cu_seqlens": torch.arange(len(parts) + 1, dtype=torch.int32) * width,
-            "num_sequences": int((labels != self.ignore_index).any(axis=1).sum()),
-            "seq_targets": torch.from_numpy(seq_targets.astype(np.int32)),
+            INPUT_IDS: torch.from_numpy(input_ids),
+            ATTENTION_MASK: torch.from_numpy(attention_mask),
+            LABELS: torch.from_numpy(labels),
+            CU_SEQLENS: torch.arange(len(parts) + 1, dtype=torch.int32) * width,
+            NUM_SEQUENCES: int((labels != self.ignore_index).any(axis=1).sum()),
+            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
         if all(weighted):
-            batch["seq_weights"] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
+            batch[SEQ_WEIGHTS] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
         seq_sources = [s for index, example in enumerate(examples) for s in sequence_sources(example, index, 1)]
         if any(source is not None for source in seq_sources):
-            batch["seq_sources"] = seq_sources
+            batch[SEQ_SOURCES] = seq_sources
         return batch

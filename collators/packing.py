@@ -1,21 +1,21 @@
-"""Packing tokenized conversations into rows of at most `max_length` tokens, boundaries kept.
+"""Packing tokenized conversations into rows of at most ``max_length`` tokens, boundaries kept.
 
-`pack_dataset` packs a whole `datasets.Dataset` (or `datasets.IterableDataset`) at once with
-best-fit-decreasing, reading the tokens in place and writing the rows to an Arrow cache (`arrow_rows`);
-`pack_stream` and `PackedIterableDataset` pack a stream window by window. Both emit rows of the same layout,
-`{"input_ids", "labels", "seq_lengths"}` (plus `seq_targets` when conversations may be split, `seq_weights`
-when the data carry a `weight`; `pack_dataset` also carries every other column, one value per sequence),
-which `PackedCollator` turns into a batch.
+``pack_dataset`` packs a whole ``datasets.Dataset`` (or ``datasets.IterableDataset``) at once with
+best-fit-decreasing, reading the tokens in place and writing the rows to an Arrow cache (``arrow_rows``);
+``pack_stream`` and ``PackedIterableDataset`` pack a stream window by window. Both emit rows of the same layout,
+``{"input_ids", "labels", "seq_lengths"}`` (plus ``seq_targets`` when conversations may be split, ``seq_weights``
+when the data carry a ``weight``; ``pack_dataset`` also carries every other column, one value per sequence),
+which ``PackedCollator`` turns into a batch.
 
-Splitting (`overflow="split"`). A conversation of `L > M = max_length` tokens becomes pieces that start every
-`M - 1` tokens: piece `k` holds tokens `[k (M - 1), k (M - 1) + M)` (the last one is shorter). Each piece
+Splitting (``overflow="split"``). A conversation of ``L > M = max_length`` tokens becomes pieces that start every
+``M - 1`` tokens: piece ``k`` holds tokens ``[k (M - 1), k (M - 1) + M)`` (the last one is shorter). Each piece
 after the first starts one token early, on the last token of the piece before, and that token's label is set
-to `ignore_index` in the row. Under the causal shift, where token `t` predicts label `t + 1` of its own
-sequence, piece `k` then trains exactly the labels `k (M - 1) + 1 .. k (M - 1) + M - 1`: every label of the
+to ``ignore_index`` in the row. Under the causal shift, where token ``t`` predicts label ``t + 1`` of its own
+sequence, piece ``k`` then trains exactly the labels ``k (M - 1) + 1 .. k (M - 1) + M - 1``: every label of the
 conversation after its first is trained exactly once, the one at each cut included (as the target of the
 repeated token), and no token is lost. The price is one repeated input token per cut, which carries no
-target. Each piece carries in `seq_targets` the target count of the whole conversation, so a loss that weighs
-each target `1 / seq_targets` gives the conversation a total weight of exactly 1 however it was cut.
+target. Each piece carries in ``seq_targets`` the target count of the whole conversation, so a loss that weighs
+each target ``1 / seq_targets`` gives the conversation a total weight of exactly 1 however it was cut.
 """
 
 from __future__ import annotations
@@ -30,18 +30,17 @@ from typing import Literal
 import numpy as np
 import torch
 
-from .chat import IGNORE_INDEX
 from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
+from .columns import (
+    IGNORE_INDEX, INPUT_IDS, LABELS, PACKED_ROW_COLUMNS, SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
+    SOURCE_COLUMN, WEIGHT_COLUMN,
+)
 
 logger = logging.getLogger(__name__)
 
 Overflow = Literal["truncate", "drop", "error", "split"]
 OVERFLOWS = ("truncate", "drop", "error", "split")
-# The optional per-conversation weight column of a tokenized data set (see `PackedCollator`).
-WEIGHT_COLUMN = "weight"
-# A string per conversation naming where it comes from: carried to each of its pieces as `seq_sources`.
-SOURCE_COLUMN = "source"
 
 
 @dataclasses.dataclass
@@ -49,20 +48,20 @@ class PackingStats:
     """What packing did to the conversations: nothing is dropped, shortened or cut without being counted here.
 
     Attributes:
-        max_length (`int`): the row capacity in tokens.
-        num_conversations (`int`): conversations read.
-        num_packed (`int`): conversations placed in rows (truncated and split ones included, each once).
-        num_truncated (`int`): conversations longer than `max_length`, cut to their first `max_length` tokens.
-        num_truncated_tokens (`int`): tokens removed by that truncation.
-        num_dropped (`int`): conversations longer than `max_length` left out (`overflow="drop"`).
-        num_split (`int`): conversations longer than `max_length` cut into pieces (`overflow="split"`).
-        num_split_pieces (`int`): the pieces they became (each a sequence of its own in a row).
-        num_empty (`int`): conversations with no token, left out.
-        num_without_targets (`int`): packed conversations with no target under the causal shift (no label
-            other than `ignore_index` after their first token, e.g. truncation cut every assistant token): they
+        max_length (``int``): the row capacity in tokens.
+        num_conversations (``int``): conversations read.
+        num_packed (``int``): conversations placed in rows (truncated and split ones included, each once).
+        num_truncated (``int``): conversations longer than ``max_length``, cut to their first ``max_length`` tokens.
+        num_truncated_tokens (``int``): tokens removed by that truncation.
+        num_dropped (``int``): conversations longer than ``max_length`` left out (``overflow="drop"``).
+        num_split (``int``): conversations longer than ``max_length`` cut into pieces (``overflow="split"``).
+        num_split_pieces (``int``): the pieces they became (each a sequence of its own in a row).
+        num_empty (``int``): conversations with no token, left out.
+        num_without_targets (``int``): packed conversations with no target under the causal shift (no label
+            other than ``ignore_index`` after their first token, e.g. truncation cut every assistant token): they
             take room in the rows and train nothing.
-        num_rows (`int`): rows produced.
-        num_tokens (`int`): tokens in the rows (with `overflow="split"`, the token repeated at each cut counts
+        num_rows (``int``): rows produced.
+        num_tokens (``int``): tokens in the rows (with ``overflow="split"``, the token repeated at each cut counts
             once per piece).
     """
 
@@ -81,7 +80,7 @@ class PackingStats:
 
     @property
     def efficiency(self) -> float:
-        """Real tokens over row capacity: `num_tokens / (num_rows * max_length)` (1.0 when there is no row)."""
+        """Real tokens over row capacity: ``num_tokens / (num_rows * max_length)`` (1.0 when there is no row)."""
         return self.num_tokens / (self.num_rows * self.max_length) if self.num_rows else 1.0
 
     def __str__(self) -> str:
@@ -100,17 +99,17 @@ class PackingStats:
 
 
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
-    """Assign items to bins of `capacity` with best-fit-decreasing.
+    """Assign items to bins of ``capacity`` with best-fit-decreasing.
 
     Items are taken longest first (ties in input order); each goes into the open bin with the least free
     space that still holds it, or opens a new bin. Deterministic, O(n log n).
 
     Args:
-        lengths (sequence of int): item sizes, each in `[1, capacity]`.
-        capacity (`int`): bin size.
+        lengths (sequence of int): item sizes, each in ``[1, capacity]``.
+        capacity (``int``): bin size.
 
     Returns:
-        `list[list[int]]`: for each bin, in the order the bins were opened, the indices of its items in the
+        ``list[list[int]]``: for each bin, in the order the bins were opened, the indices of its items in the
         order they were placed.
 
     Example:
@@ -129,12 +128,12 @@ def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
 
 
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Core of `best_fit_decreasing`: (item indices in row order, number of items per row)."""
+    """Core of ``best_fit_decreasing``: (item indices in row order, number of items per row)."""
     order = np.argsort(-lengths, kind="stable")
-    # Open bins are grouped by their free space: `free_levels` is the sorted list of free-space values held by
-    # at least one bin and `bins_at[f]` the bins with exactly `f` tokens free. The best fit for an item of
+    # Open bins are grouped by their free space: ``free_levels`` is the sorted list of free-space values held by
+    # at least one bin and ``bins_at[f]`` the bins with exactly ``f`` tokens free. The best fit for an item of
     # length L is then any bin at the first level >= L, found by bisection; both structures are at most
-    # `capacity` long, so the list insertions are short memmoves, cheaper than a tree walk in Python.
+    # ``capacity`` long, so the list insertions are short memmoves, cheaper than a tree walk in Python.
     free_levels: list[int] = []
     bins_at: list[list[int]] = [[] for _ in range(capacity + 1)]
     bin_of = [0] * len(order)
@@ -205,7 +204,7 @@ class _Plan:
 
 
 def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingStats) -> _Plan:
-    """Cut conversations of `kept` tokens (0: left out) into pieces and pack them with best-fit-decreasing."""
+    """Cut conversations of ``kept`` tokens (0: left out) into pieces and pack them with best-fit-decreasing."""
     source = np.flatnonzero(kept > 0)
     length = kept[source]
     offset = np.zeros_like(length)
@@ -226,16 +225,16 @@ def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingSta
 
 
 def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool) -> dict[str, np.ndarray]:
-    """Per-piece columns next to `seq_lengths`: `seq_targets` (when splitting) and `seq_weights` (with weights).
+    """Per-piece columns next to ``seq_lengths``: ``seq_targets`` (when splitting) and ``seq_weights`` (with weights).
 
-    `seq_targets` is the target count of the piece's whole conversation, or 1 for a conversation without
-    targets: it has no target to weigh, and a divisor of 1 keeps `weight / seq_targets` finite.
+    ``seq_targets`` is the target count of the piece's whole conversation, or 1 for a conversation without
+    targets: it has no target to weigh, and a divisor of 1 keeps ``weight / seq_targets`` finite.
     """
-    columns = {"seq_lengths": plan.length}
+    columns = {SEQ_LENGTHS: plan.length}
     if split:
-        columns["seq_targets"] = np.maximum(targets[plan.source], 1)
+        columns[SEQ_TARGETS] = np.maximum(targets[plan.source], 1)
     if weights is not None:
-        columns["seq_weights"] = weights[plan.source]
+        columns[SEQ_WEIGHTS] = weights[plan.source]
     return columns
 
 
@@ -250,55 +249,55 @@ def pack_dataset(
     num_proc: int | None = None,
     load_from_cache_file: bool | None = None,
 ):
-    """Pack tokenized conversations into rows of at most `max_length` tokens with best-fit-decreasing.
+    """Pack tokenized conversations into rows of at most ``max_length`` tokens with best-fit-decreasing.
 
     The whole data set is packed at once (not batch by batch), so the long conversations of one part
-    find the short ones of another. A conversation longer than `max_length` is truncated to its first
-    `max_length` tokens (default), dropped, split into pieces (see the module docstring: every target is
-    still trained exactly once), or raises. Every such case is counted in the returned `PackingStats` and
+    find the short ones of another. A conversation longer than ``max_length`` is truncated to its first
+    ``max_length`` tokens (default), dropped, split into pieces (see the module docstring: every target is
+    still trained exactly once), or raises. Every such case is counted in the returned ``PackingStats`` and
     logged, with the packing efficiency (real tokens / (rows * max_length)). Deterministic: the same input
     gives the same rows.
 
     Memory does not grow with the number of tokens: the plan needs only each conversation's length (and
     target count, from one pass over the labels, block by block), and the rows are written a batch at a time
-    with `datasets.Dataset.map` to an Arrow cache file beside the data set's own (`cache-<fingerprint>.arrow`,
+    with ``datasets.Dataset.map`` to an Arrow cache file beside the data set's own (``cache-<fingerprint>.arrow``,
     from the data set's fingerprint and the options), which a second call with the same data and options
-    reuses. A data set held in memory gives rows in memory unless `cache_file_name` is set. An indices
-    mapping (after `shuffle` or `select`) is first written out with `flatten_indices`.
+    reuses. A data set held in memory gives rows in memory unless ``cache_file_name`` is set. An indices
+    mapping (after ``shuffle`` or ``select``) is first written out with ``flatten_indices``.
 
     Args:
-        dataset (`datasets.Dataset` or `datasets.IterableDataset`): columns `input_ids` and `labels`, lists of
-            ints of equal length per row (as made by `tokenize_dataset`), and optionally `weight`, a real
+        dataset (``datasets.Dataset`` or ``datasets.IterableDataset``): columns ``input_ids`` and ``labels``, lists of
+            ints of equal length per row (as made by ``tokenize_dataset``), and optionally ``weight``, a real
             number >= 0 per conversation (e.g. to weight data sources), carried to each piece as
-            `seq_weights`. Every other column is carried to each piece too: `source` (a string per
-            conversation) as `seq_sources`, any other column `name` as `seq_<name>`; a column holding lists
-            or structs (not one value per conversation) raises. An `IterableDataset` is read to the end into
-            memory (packing the whole data set needs every length); use `pack_stream` to pack a stream window
+            ``seq_weights``. Every other column is carried to each piece too: ``source`` (a string per
+            conversation) as ``seq_sources``, any other column ``name`` as ``seq_<name>``; a column holding lists
+            or structs (not one value per conversation) raises. An ``IterableDataset`` is read to the end into
+            memory (packing the whole data set needs every length); use ``pack_stream`` to pack a stream window
             by window.
-        max_length (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
-        overflow (`str`, *optional*, defaults to `"truncate"`): what to do with a conversation longer than
-            `max_length`: `"truncate"`, `"drop"`, `"split"` or `"error"` (raise `ValueError`).
-        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
-        return_stats (`bool`, *optional*, defaults to `False`): also return the `PackingStats`.
-        cache_file_name (`str`, *optional*): where to write the rows (`datasets.Dataset.map`'s argument).
-        num_proc (`int`, *optional*): processes writing the rows (`datasets.Dataset.map`'s argument).
-        load_from_cache_file (`bool`, *optional*): reuse rows already written (default: unless caching is
-            disabled in `datasets`).
+        max_length (``int``): row capacity in tokens (at least 2 with ``overflow="split"``).
+        overflow (``str``, *optional*, defaults to ``"truncate"``): what to do with a conversation longer than
+            ``max_length``: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"`` (raise ``ValueError``).
+        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        return_stats (``bool``, *optional*, defaults to ``False``): also return the ``PackingStats``.
+        cache_file_name (``str``, *optional*): where to write the rows (``datasets.Dataset.map``'s argument).
+        num_proc (``int``, *optional*): processes writing the rows (``datasets.Dataset.map``'s argument).
+        load_from_cache_file (``bool``, *optional*): reuse rows already written (default: unless caching is
+            disabled in ``datasets``).
 
     Returns:
-        `datasets.Dataset` with the columns `input_ids`, `labels` (lists of ints of the input's integer type,
-        at most `max_length` long), `seq_lengths` (the length of each sequence in the row, in row order; they
-        sum to the row's length), with `overflow="split"` `seq_targets` (for each sequence, the target count
+        ``datasets.Dataset`` with the columns ``input_ids``, ``labels`` (lists of ints of the input's integer type,
+        at most ``max_length`` long), ``seq_lengths`` (the length of each sequence in the row, in row order; they
+        sum to the row's length), with ``overflow="split"`` ``seq_targets`` (for each sequence, the target count
         of its whole conversation, 1 for a conversation without targets), then the carried columns, one value
-        per sequence: `seq_weights` (float64), `seq_sources`, `seq_<name>`; or `(dataset, PackingStats)` with
-        `return_stats=True`. Rows come in the order they were opened (longest pieces first); shuffle them in
+        per sequence: ``seq_weights`` (float64), ``seq_sources``, ``seq_<name>``; or ``(dataset, PackingStats)`` with
+        ``return_stats=True``. Rows come in the order they were opened (longest pieces first); shuffle them in
         the DataLoader.
 
     Raises:
-        `TypeError`: `dataset` is not a data set, `max_length` not an int, tokens or weights of the wrong type.
-        `ValueError`: `max_length` too small, unknown `overflow`, missing columns, negative token ids or labels
-            other than `ignore_index`, rows whose `input_ids` and `labels` differ in length, weights that are
-            not finite and >= 0, a `source` that is not a string, a column that cannot be carried (naming it).
+        ``TypeError``: ``dataset`` is not a data set, ``max_length`` not an int, tokens or weights of the wrong type.
+        ``ValueError``: ``max_length`` too small, unknown ``overflow``, missing columns, negative token ids or labels
+            other than ``ignore_index``, rows whose ``input_ids`` and ``labels`` differ in length, weights that are
+            not finite and >= 0, a ``source`` that is not a string, a column that cannot be carried (naming it).
 
     Example:
 
@@ -316,7 +315,7 @@ def pack_dataset(
     >>> stats.num_rows, stats.efficiency, stats.num_truncated
     (2, 1.0, 0)
 
-    Split into rows of 4 tokens, the 6-token conversation becomes pieces `[4, 5, 6, 7]` and `[7, 8, 9]`; the
+    Split into rows of 4 tokens, the 6-token conversation becomes pieces ``[4, 5, 6, 7]`` and ``[7, 8, 9]``; the
     repeated 7 is context only (label -100) and predicts 8, the target at the cut. The conversation has 4
     targets (6, 7, 8, 9), carried by both pieces:
 
@@ -344,7 +343,7 @@ def pack_dataset(
     if dataset._indices is not None:
         dataset = dataset.flatten_indices()  # rows in order on disk, so that they can be read in place
     table = dataset.data.table
-    input_ids, labels = TokenColumn(table, "input_ids"), TokenColumn(table, "labels")
+    input_ids, labels = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
     lengths = input_ids.lengths
     if not np.array_equal(lengths, labels.lengths):
         row = int(np.flatnonzero(lengths != labels.lengths)[0])
@@ -376,28 +375,24 @@ def pack_dataset(
     return (rows, stats) if return_stats else rows
 
 
-# What packing writes: no carried column may take one of these names.
-_ROW_COLUMNS = ("input_ids", "labels", "seq_lengths", "seq_targets", "seq_weights", "seq_sources")
-
-
 def _carried_columns(schema) -> dict[str, str]:
-    """The columns carried to the pieces, by the name of their row column: `source` as `seq_sources`, any
-    other `name` but the tokens and `weight` as `seq_<name>`.
+    """The columns carried to the pieces, by the name of their row column: ``source`` as ``seq_sources``, any
+    other ``name`` but the tokens and ``weight`` as ``seq_<name>``.
 
     Raises:
-        `ValueError` naming the column: `input_ids` or `labels` missing, a column holding lists or structs (no
-        single value to give each piece), a row column name taken, a `source` column that is not strings.
+        ``ValueError`` naming the column: ``input_ids`` or ``labels`` missing, a column holding lists or structs (no
+        single value to give each piece), a row column name taken, a ``source`` column that is not strings.
     """
     import pyarrow as pa
 
-    missing = {"input_ids", "labels"} - set(schema.names)
+    missing = {INPUT_IDS, LABELS} - set(schema.names)
     if missing:
         raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {schema.names}.")
     carried = {}
     for name in schema.names:
-        if name in ("input_ids", "labels", WEIGHT_COLUMN):
+        if name in (INPUT_IDS, LABELS, WEIGHT_COLUMN):
             continue
-        row_name = "seq_sources" if name == SOURCE_COLUMN else f"seq_{name}"
+        row_name = SEQ_SOURCES if name == SOURCE_COLUMN else f"seq_{name}"
         value_type = schema.field(name).type
         if name == SOURCE_COLUMN and not (pa.types.is_string(value_type) or pa.types.is_large_string(value_type)):
             raise ValueError(f"`dataset` column {SOURCE_COLUMN!r} must hold a string for every row, got {value_type}.")
@@ -407,7 +402,7 @@ def _carried_columns(schema) -> dict[str, str]:
                 f"cannot carry it (they hold one value per sequence): remove it with "
                 f"dataset.remove_columns({name!r}) or reduce it to one value per conversation."
             )
-        if row_name in _ROW_COLUMNS and name != SOURCE_COLUMN:
+        if row_name in PACKED_ROW_COLUMNS and name != SOURCE_COLUMN:
             raise ValueError(
                 f"`dataset` column {name!r} would be carried to the rows as {row_name!r}, a column packing "
                 "writes itself: rename it."
@@ -417,7 +412,7 @@ def _carried_columns(schema) -> dict[str, str]:
 
 
 def _read_weights(table) -> np.ndarray | None:
-    """The `weight` column as `(C,)` float64, checked; None without one."""
+    """The ``weight`` column as ``(C,)`` float64, checked; None without one."""
     if WEIGHT_COLUMN not in table.column_names:
         return None
     column = table.column(WEIGHT_COLUMN)
@@ -427,14 +422,14 @@ def _read_weights(table) -> np.ndarray | None:
 
 
 def _read_iterable(dataset):
-    """A `datasets.IterableDataset` read to the end into an in-memory `datasets.Dataset`, each row checked."""
+    """A ``datasets.IterableDataset`` read to the end into an in-memory ``datasets.Dataset``, each row checked."""
     import datasets
 
     rows = []
     for index, row in enumerate(dataset):
         if index == 0:
             names = set(row)
-            missing = {"input_ids", "labels"} - names
+            missing = {INPUT_IDS, LABELS} - names
             if missing:
                 raise ValueError(f"`dataset` lacks the column(s) {sorted(missing)}; its columns are {sorted(names)}.")
         elif set(row) != names:
@@ -442,7 +437,7 @@ def _read_iterable(dataset):
                 f"`dataset[{index}]` has the columns {sorted(row)}, unlike the first row's {sorted(names)}."
             )
         row = dict(row)
-        for name in ("input_ids", "labels"):
+        for name in (INPUT_IDS, LABELS):
             row[name] = token_array(row[name], f"dataset[{index}][{name!r}]")
         if WEIGHT_COLUMN in row:
             row[WEIGHT_COLUMN] = conversation_weight(row[WEIGHT_COLUMN], f"dataset[{index}][{WEIGHT_COLUMN!r}]")
@@ -450,8 +445,8 @@ def _read_iterable(dataset):
             raise ValueError(f"`dataset[{index}][{SOURCE_COLUMN!r}]` must be a string, got {row[SOURCE_COLUMN]!r}.")
         rows.append(row)
     if not rows:
-        features = datasets.Features({name: [datasets.Value("int64")] for name in ("input_ids", "labels")})
-        return datasets.Dataset.from_dict({"input_ids": [], "labels": []}, features=features)
+        features = datasets.Features({name: [datasets.Value("int64")] for name in (INPUT_IDS, LABELS)})
+        return datasets.Dataset.from_dict({INPUT_IDS: [], LABELS: []}, features=features)
     return datasets.Dataset.from_list(rows)
 
 
@@ -464,25 +459,26 @@ def pack_stream(
     ignore_index: int = IGNORE_INDEX,
     stats: PackingStats | None = None,
 ) -> Iterator[dict[str, list]]:
-    """Pack a stream of tokenized conversations into rows of at most `max_tokens` tokens, on the fly.
+    """Pack a stream of tokenized conversations into rows of at most ``max_tokens`` tokens, on the fly.
 
-    Conversations are read `buffer_size` at a time and each buffer is packed with best-fit-decreasing, so
+    Conversations are read ``buffer_size`` at a time and each buffer is packed with best-fit-decreasing, so
     memory stays bounded on streaming data sets; a larger buffer packs tighter. Over-long conversations are
-    handled as in `pack_dataset` (the pieces of a split conversation are packed within its buffer) and counted
-    in `stats`; a summary is logged when the stream ends.
+    handled as in ``pack_dataset`` (the pieces of a split conversation are packed within its buffer) and counted
+    in ``stats``; a summary is logged when the stream ends.
 
     Args:
-        examples (iterable of dict): each with `input_ids` and `labels` (equal-length sequences of ints) and
-            optionally `weight` (in every example or in none), e.g. a tokenized `datasets.IterableDataset`.
-        max_tokens (`int`): row capacity in tokens (at least 2 with `overflow="split"`).
-        overflow (`str`, *optional*, defaults to `"truncate"`): `"truncate"`, `"drop"`, `"split"` or `"error"`.
-        buffer_size (`int`, *optional*, defaults to 1024): conversations packed together.
-        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
-        stats (`PackingStats`, *optional*): updated in place as the stream is read.
+        examples (iterable of dict): each with ``input_ids`` and ``labels`` (equal-length sequences of ints) and
+            optionally ``weight`` (in every example or in none), e.g. a tokenized ``datasets.IterableDataset``.
+        max_tokens (``int``): row capacity in tokens (at least 2 with ``overflow="split"``).
+        overflow (``str``, *optional*, defaults to ``"truncate"``): ``"truncate"``, ``"drop"``, ``"split"`` or
+            ``"error"``.
+        buffer_size (``int``, *optional*, defaults to 1024): conversations packed together.
+        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        stats (``PackingStats``, *optional*): updated in place as the stream is read.
 
     Yields:
-        `dict` with `input_ids`, `labels` and `seq_lengths` (lists of ints), plus `seq_targets` with
-        `overflow="split"` and `seq_weights` with weights: the row layout of `pack_dataset`.
+        ``dict`` with ``input_ids``, ``labels`` and ``seq_lengths`` (lists of ints), plus ``seq_targets`` with
+        ``overflow="split"`` and ``seq_weights`` with weights: the row layout of ``pack_dataset``.
 
     Example:
 
@@ -507,8 +503,8 @@ def _pack_stream(examples, max_tokens: int, overflow: Overflow, buffer_size: int
     has_weight = None
     for index, example in enumerate(examples):
         name = f"examples[{index}]"
-        input_ids = token_array(example["input_ids"], f"{name}['input_ids']")
-        labels = token_array(example["labels"], f"{name}['labels']")
+        input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
+        labels = token_array(example[LABELS], f"{name}['labels']")
         if len(input_ids) != len(labels):
             raise ValueError(f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree.")
         check_tokens(input_ids, labels, ignore_index, name)
@@ -539,32 +535,32 @@ def _pack_buffer(buffer, max_tokens: int, overflow: Overflow, ignore_index: int,
     metadata = {name: values.tolist() for name, values in metadata.items()}
     start = 0
     for count in plan.per_row.tolist():
-        row = {"input_ids": [], "labels": []}
+        row = {INPUT_IDS: [], LABELS: []}
         for piece in range(start, start + count):
             input_ids, labels, _ = buffer[plan.source[piece]]
             a = int(plan.offset[piece])
             b = a + int(plan.length[piece])
-            row["input_ids"] += input_ids[a:b].tolist()
+            row[INPUT_IDS] += input_ids[a:b].tolist()
             # A piece after the first repeats the token before its cut (trained in the piece before).
-            row["labels"] += ([ignore_index] if a else []) + labels[a + bool(a) : b].tolist()
+            row[LABELS] += ([ignore_index] if a else []) + labels[a + bool(a) : b].tolist()
         row.update({name: values[start : start + count] for name, values in metadata.items()})
         start += count
         yield row
 
 
 class PackedIterableDataset(torch.utils.data.IterableDataset):
-    """A `torch.utils.data.IterableDataset` of packed rows over a stream of tokenized conversations.
+    """A ``torch.utils.data.IterableDataset`` of packed rows over a stream of tokenized conversations.
 
-    Wraps `pack_stream` so a streaming data set can feed a `DataLoader`. With `num_workers > 0`, a source
-    that is itself a `torch.utils.data.IterableDataset` (as `datasets.IterableDataset` is) is trusted to split
-    its examples between the workers; any other iterable is split here, worker `w` taking examples
-    `w, w + num_workers, ...`. `stats` holds the counts of the last iteration in this process.
+    Wraps ``pack_stream`` so a streaming data set can feed a ``DataLoader``. With ``num_workers > 0``, a source
+    that is itself a ``torch.utils.data.IterableDataset`` (as ``datasets.IterableDataset`` is) is trusted to split
+    its examples between the workers; any other iterable is split here, worker ``w`` taking examples
+    ``w, w + num_workers, ...``. ``stats`` holds the counts of the last iteration in this process.
 
     Args:
-        source (iterable of dict): conversations with `input_ids` and `labels`.
-        max_tokens (`int`): row capacity in tokens.
-        overflow (`str`, *optional*, defaults to `"truncate"`): as in `pack_stream` (`"split"` included).
-        buffer_size (`int`, *optional*, defaults to 1024): as in `pack_stream`.
+        source (iterable of dict): conversations with ``input_ids`` and ``labels``.
+        max_tokens (``int``): row capacity in tokens.
+        overflow (``str``, *optional*, defaults to ``"truncate"``): as in ``pack_stream`` (``"split"`` included).
+        buffer_size (``int``, *optional*, defaults to 1024): as in ``pack_stream``.
 
     Example:
 

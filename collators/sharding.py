@@ -1,13 +1,13 @@
 """Context parallelism: one rank's share of a packed batch, with the weights its targets need.
 
 With ring attention (accelerate's and torch's context parallelism) every rank holds a slice of each
-packed row. Causal attention makes late tokens costlier, so the row is cut into `2 W` equal chunks and rank
-`r` takes chunks `r` and `2 W - 1 - r` ("zig-zag"): each rank gets one cheap and one costly chunk.
+packed row. Causal attention makes late tokens costlier, so the row is cut into ``2 W`` equal chunks and rank
+``r`` takes chunks ``r`` and ``2 W - 1 - r`` ("zig-zag"): each rank gets one cheap and one costly chunk.
 
 A rank then sees part of a conversation and cannot count its targets; the batch carries that count
-(`seq_targets`) from the collator, so each local target gets the weight `seq_weight / seq_targets[s]` of
+(``seq_targets``) from the collator, so each local target gets the weight ``seq_weight / seq_targets[s]`` of
 its conversation and the ranks' weighted sums add up to the loss of the whole batch. The labels are shifted
-before the cut (`shift_labels`, transformers' convention), so the target of a chunk's last token, which
+before the cut (``shift_labels``, transformers' convention), so the target of a chunk's last token, which
 lies in the next chunk, is not lost.
 """
 
@@ -18,49 +18,52 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .chat import IGNORE_INDEX
 from .checks import positive_int, targets_per_sequence
+from .columns import (
+    CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
+    SHIFT_LABELS,
+)
 
 
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
-    """The tokens of a packed batch that context-parallel rank `rank` of `world_size` holds.
+    """The tokens of a packed batch that context-parallel rank ``rank`` of ``world_size`` holds.
 
-    The `T` tokens of the row are cut into `2 * world_size` chunks of `C = T / (2 * world_size)` tokens, and
-    rank `r` gets chunks `r` and `2 * world_size - 1 - r`, in that order (zig-zag, balanced for causal ring
-    attention). `T` must be a multiple of `2 * world_size`: collate with
-    `PackedCollator(pad_to_multiple_of=2 * world_size)` (or a multiple of it); the padding segment has no
+    The ``T`` tokens of the row are cut into ``2 * world_size`` chunks of ``C = T / (2 * world_size)`` tokens, and
+    rank ``r`` gets chunks ``r`` and ``2 * world_size - 1 - r``, in that order (zig-zag, balanced for causal ring
+    attention). ``T`` must be a multiple of ``2 * world_size``: collate with
+    ``PackedCollator(pad_to_multiple_of=2 * world_size)`` (or a multiple of it); the padding segment has no
     target.
 
-    Use the result with `shift=False`: `shift_labels[t]` is the target of local token `t`. With `cu_seqlens`
-    and `seq_targets` (and `seq_weights`), `packed_ce.cross_entropy(logits, shard["shift_labels"],
+    Use the result with ``shift=False``: ``shift_labels[t]`` is the target of local token ``t``. With ``cu_seqlens``
+    and ``seq_targets`` (and ``seq_weights``), `packed_ce.cross_entropy(logits, shard["shift_labels"],
     cu_seqlens=shard["cu_seqlens"], seq_targets=shard["seq_targets"], is_packed=True, reduction="sum")` on
     each rank weighs every target exactly as on the whole batch, so the sum over ranks equals the whole
-    batch's `"sum"` loss; divide by the whole batch's weight mass (the same on every rank) for the mean.
-    Attention still needs the whole row: the local `cu_seqlens` describe the local tokens for the loss, while
-    ring attention works from the global `position_ids` returned here.
+    batch's ``"sum"`` loss; divide by the whole batch's weight mass (the same on every rank) for the mean.
+    Attention still needs the whole row: the local ``cu_seqlens`` describe the local tokens for the loss, while
+    ring attention works from the global ``position_ids`` returned here.
 
     Args:
-        batch (`dict`): a packed batch of `PackedCollator`: `input_ids` and `labels` `(1, T)` (labels aligned
-            with `input_ids`), `cu_seqlens` `(S + 1,)`, and optionally `position_ids` `(1, T)` (else rebuilt
-            from `cu_seqlens`), `seq_targets` `(S,)` (else each sequence's own target count) and
-            `seq_weights` `(S,)`.
-        rank (`int`): this rank, in `[0, world_size)`.
-        world_size (`int`): ranks sharing the row.
-        ignore_index (`int`, *optional*, defaults to -100): the label of untrained tokens.
+        batch (``dict``): a packed batch of ``PackedCollator``: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned
+            with ``input_ids``), ``cu_seqlens`` ``(S + 1,)``, and optionally ``position_ids`` ``(1, T)`` (else rebuilt
+            from ``cu_seqlens``), ``seq_targets`` ``(S,)`` (else each sequence's own target count) and
+            ``seq_weights`` ``(S,)``.
+        rank (``int``): this rank, in ``[0, world_size)``.
+        world_size (``int``): ranks sharing the row.
+        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
 
     Returns:
-        `dict` on the batch's device:
+        ``dict`` on the batch's device:
 
-        - `input_ids` `(1, 2C)`, `position_ids` `(1, 2C)` int64: the local tokens and their global positions.
-        - `labels` `(1, 2C)`: the local tokens' own labels (aligned with `input_ids`); a model's loss reads
-          `shift_labels` when both are given, and needs `labels` to compute a loss at all.
-        - `shift_labels` `(1, 2C)` int64: the target of each local token, `ignore_index` at the last token of
+        - ``input_ids`` ``(1, 2C)``, ``position_ids`` ``(1, 2C)`` int64: the local tokens and their global positions.
+        - ``labels`` ``(1, 2C)``: the local tokens' own labels (aligned with ``input_ids``); a model's loss reads
+          ``shift_labels`` when both are given, and needs ``labels`` to compute a loss at all.
+        - ``shift_labels`` ``(1, 2C)`` int64: the target of each local token, ``ignore_index`` at the last token of
           every sequence (and on padding).
-        - `cu_seqlens` `(S_local + 1,)` int32: boundaries of the local segments: a new segment starts at each
+        - ``cu_seqlens`` ``(S_local + 1,)`` int32: boundaries of the local segments: a new segment starts at each
           chunk's first token and at each sequence start inside a chunk.
-        - `seq_targets` `(S_local,)` int32: each segment's conversation target count (>= 1).
-        - `seq_weights` `(S_local,)` float64: each segment's conversation weight, when `batch` has them.
-        - `seq_sources` (list of `S_local`): each segment's conversation source, when `batch` has them.
+        - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
+        - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
+        - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.
 
     Example:
 
@@ -80,17 +83,17 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank}.")
     if not isinstance(batch, Mapping):
         raise TypeError(f"`batch` must be a dict of tensors (a PackedCollator batch), got {type(batch).__name__}.")
-    missing = {"input_ids", "labels", "cu_seqlens"} - set(batch)
+    missing = {INPUT_IDS, LABELS, CU_SEQLENS} - set(batch)
     if missing:
         raise ValueError(f"`batch` lacks {sorted(missing)}: shard a batch of PackedCollator.")
-    input_ids, labels = batch["input_ids"], batch["labels"]
-    for name, tensor in (("input_ids", input_ids), ("labels", labels)):
+    input_ids, labels = batch[INPUT_IDS], batch[LABELS]
+    for name, tensor in ((INPUT_IDS, input_ids), (LABELS, labels)):
         if not torch.is_tensor(tensor) or tensor.dim() != 2 or tensor.shape[0] != 1 or tensor.dtype.is_floating_point:
             raise ValueError(f"`batch['{name}']` must be an integer tensor of shape (1, T), got {_describe(tensor)}.")
     num_tokens = input_ids.shape[1]
     if labels.shape != input_ids.shape:
         raise ValueError(f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` {tuple(input_ids.shape)}.")
-    cu_seqlens = batch["cu_seqlens"]
+    cu_seqlens = batch[CU_SEQLENS]
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}.")
     cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
@@ -112,28 +115,28 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
             f"PackedCollator(pad_to_multiple_of={num_chunks})."
         )
 
-    position_ids = batch.get("position_ids")
+    position_ids = batch.get(POSITION_IDS)
     if position_ids is None:
         starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
         position_ids = (torch.arange(num_tokens, device=input_ids.device) - starts)[None]
     elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
         raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
-    seq_targets = batch.get("seq_targets")
+    seq_targets = batch.get(SEQ_TARGETS)
     if seq_targets is None:
         # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
         own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
         seq_targets = torch.from_numpy(np.maximum(own, 1))
-    per_sequence = {"seq_targets": seq_targets}
-    if batch.get("seq_weights") is not None:
-        per_sequence["seq_weights"] = batch["seq_weights"]
+    per_sequence = {SEQ_TARGETS: seq_targets}
+    if batch.get(SEQ_WEIGHTS) is not None:
+        per_sequence[SEQ_WEIGHTS] = batch[SEQ_WEIGHTS]
     for name, values in per_sequence.items():
         if not torch.is_tensor(values) or values.shape != (num_sequences,):
             raise ValueError(
                 f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
             )
-    if (per_sequence["seq_targets"] < 1).any():
+    if (per_sequence[SEQ_TARGETS] < 1).any():
         raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
-    weights = per_sequence.get("seq_weights")
+    weights = per_sequence.get(SEQ_WEIGHTS)
     if weights is not None and not (weights.isfinite() & (weights >= 0)).all():
         raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
 
@@ -155,20 +158,20 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
     sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
     shard = {
-        "input_ids": input_ids[:, local],
-        "labels": labels[:, local],
-        "position_ids": position_ids[:, local],
-        "shift_labels": shift_labels[local][None],
-        "cu_seqlens": torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
-        "seq_targets": per_sequence["seq_targets"].to(input_ids.device)[sequence_of].to(torch.int32),
+        INPUT_IDS: input_ids[:, local],
+        LABELS: labels[:, local],
+        POSITION_IDS: position_ids[:, local],
+        SHIFT_LABELS: shift_labels[local][None],
+        CU_SEQLENS: torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
+        SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(input_ids.device)[sequence_of].to(torch.int32),
     }
-    if "seq_weights" in per_sequence:
-        shard["seq_weights"] = per_sequence["seq_weights"].to(input_ids.device)[sequence_of].to(torch.float64)
-    sources = batch.get("seq_sources")
+    if SEQ_WEIGHTS in per_sequence:
+        shard[SEQ_WEIGHTS] = per_sequence[SEQ_WEIGHTS].to(input_ids.device)[sequence_of].to(torch.float64)
+    sources = batch.get(SEQ_SOURCES)
     if sources is not None:
         if len(sources) != num_sequences:
             raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
-        shard["seq_sources"] = [sources[index] for index in sequence_of.tolist()]
+        shard[SEQ_SOURCES] = [sources[index] for index in sequence_of.tolist()]
     return shard
 
 

@@ -2,8 +2,8 @@
 loss over row chunks, without the ``(N, V)`` logits.
 
 Notation: ``X = hidden`` ``(N, H)``, ``W = weight`` ``(V, H)``, ``b = bias`` ``(V,)``, logits
-``Z = X W^T + b`` ``(N, V)``, and ``L = sum_t coef[t] * l_t(Z_t)`` with the per-row coefficients
-of :mod:`packed_ce.targets` (packing, shift, reduction and ``num_items_in_batch`` folded in). With
+``Z = X W^T + b`` ``(N, V)``, and ``L = sum_t coef[t] * l_t(Z_t)`` (docs/reference.md, "The loss,
+exactly"; ``coef`` from :mod:`packed_ce.targets`). With
 ``G = dL/dZ`` ``(N, V)`` (the cross-entropy kernel's output), the chain rule through the linear
 layer gives
 

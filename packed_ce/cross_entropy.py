@@ -26,15 +26,10 @@ def cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross entropy that can average per packed sequence instead of per token.
 
-    Per target ``t`` with logits row ``x`` (after ``softcap``: ``x = softcap * tanh(x / softcap)``),
-    ``lse = logsumexp(x)`` and target ``y``::
-
-        l_t = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j]) + z_loss_scale * lse**2
-
     The loss is ``sum_t w_t l_t`` ("sum"), divided by ``D`` ("mean"), or ``w_t l_t`` per token
-    ("none"): ``w_t = 1`` (``is_packed=False``) or ``1 / n_s`` (``is_packed=True``, ``n_s`` the
-    targets of ``t``'s sequence), times ``seq_weights[s] / seq_targets[s]`` where given; ``D`` is
-    ``num_items_in_batch`` or the weight mass ``sum_t w_t`` (:mod:`packed_ce.targets`).
+    ("none"): each target's cross entropy ``l_t`` (label smoothing, z-loss, softcap) weighted per
+    token (``is_packed=False``) or per sequence (``is_packed=True``), as docs/reference.md ("The
+    loss, exactly") defines them.
 
     Args:
         logits: ``(N, V)`` or ``(B, T, V)``, float32/bfloat16/float16 (float64 with

@@ -1,20 +1,9 @@
 """From labels and sequence boundaries to per-token targets and loss coefficients.
 
-Every backend reduces the loss the same way: token ``t`` of sequence ``s`` contributes
-``coef[t] * l_t``, where
-
-    coef[t] = w_t / D            (reduction "mean"; D = num_items_in_batch if given)
-    coef[t] = w_t                (reduction "sum" and "none")
-    w_t     = a_s / m_s          (is_packed=True)
-    w_t     = a_s                (is_packed=False)
-    D       = sum_t w_t          (the weight mass, summed per sequence: sum_s a_s n_s / m_s)
-
-and ``w_t = 0`` for tokens without a target. ``n_s`` is the number of targets of ``s``,
-``m_s = seq_targets[s]`` (the targets of the whole conversation ``s`` is a piece of; default
-``n_s``) and ``a_s = seq_weights[s]`` (default 1). With neither given, ``D`` is the number of
-sequences with a target (is_packed=True) or of targets (is_packed=False), counted exactly as an
-integer. So the kernels see one flat ``(N,)`` float32 coefficient per row and never have to know
-about sequences. Everything here is vectorised tensor code on the logits' device: no ``.item()``,
+Token ``t`` contributes ``coef[t] * l_t``; ``coef``, ``w_t``, ``D``, ``n_s``, ``m_s`` and ``a_s``
+are defined once, in docs/reference.md ("The loss, exactly"). This module computes them as one flat
+``(N,)`` float32 coefficient per row, so the kernels never have to know about sequences.
+Everything here is vectorised tensor code on the logits' device: no ``.item()``,
 ``.tolist()`` or data-dependent shapes, so the preparation is safe under CUDA graphs and
 traceable by ``torch.compile``.
 
@@ -41,7 +30,7 @@ class Targets:
         targets: ``(N,)`` int64, the class each row of the logits is scored against;
             ``ignore_index`` where a row has no target.
         coef: ``(N,)`` float32, the row's weight in the reduced loss (0 for rows without a
-            target), see the module docstring.
+            target), docs/reference.md ("The loss, exactly").
     """
 
     targets: torch.Tensor
@@ -207,7 +196,7 @@ def count_normaliser(
 ) -> torch.Tensor:
     """``D``, what reduction "mean" divides by when ``num_items_in_batch`` is not given.
 
-    The weight mass ``sum_t w_t`` of the module docstring, with ``options.shift`` and
+    The weight mass ``sum_t w_t`` (docs/reference.md, "The loss, exactly"), with ``options.shift`` and
     ``options.ignore_index`` deciding what a target is: the same count the loss uses, so the sum
     of this over the micro-batches and processes of one optimiser step is that step's
     ``num_items_in_batch``. Without ``seq_targets`` and ``seq_weights`` it is the number of
@@ -276,7 +265,7 @@ def prepare_targets(
     use_kernel: bool = False,
     **keywords,
 ) -> Targets:
-    """Targets and per-token coefficients (see the module docstring) for ``labels``.
+    """Targets and per-token coefficients (docs/reference.md, "The loss, exactly") for ``labels``.
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels.

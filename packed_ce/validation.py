@@ -99,11 +99,10 @@ TENSOR_RULES = {
 
 
 def _check_rule(name: str, tensors: dict, *, device: torch.device, device_name: str) -> None:
-    """One row of :data:`TENSOR_RULES` for ``tensors[name]`` (skipped when it is None)."""
+    """One row of :data:`TENSOR_RULES` for ``tensors[name]``, a tensor (skipped when it is None)."""
     tensor, rule = tensors[name], TENSOR_RULES[name]
     if tensor is None:
         return
-    check_tensor(name, tensor)
     if rule.partner is not None and tensors[rule.partner] is None:
         raise ValueError(
             f"{name} needs {rule.partner}: its entries are aligned with the sequences of "
@@ -134,7 +133,8 @@ def check_labels(
     """The labels and the per-call tensors beside them, from metadata (free).
 
     Args:
-        labels: ``(N,)`` or ``(B, T)`` integer.
+        labels: ``(N,)`` or ``(B, T)`` integer, already known to be a tensor (each caller reads
+            its shape or device first, after :func:`check_tensor`).
         boundaries: the call's :class:`packed_ce.options.Boundaries`.
         is_packed: the option of that name (it needs boundaries).
         device: where the labels and boundaries must be (the logits'), called ``name``.
@@ -155,6 +155,8 @@ def check_labels(
             "is_packed=True needs the sequence boundaries: pass cu_seqlens or position_ids"
         )
     for argument in ("cu_seqlens", "position_ids", "seq_targets", "seq_weights"):
+        if tensors[argument] is not None:
+            check_tensor(argument, tensors[argument])
         _check_rule(argument, tensors, device=device, device_name=name)
     if cu_seqlens is not None and cu_seqlens.numel() == 1 and labels.numel() > 0:
         raise ValueError(

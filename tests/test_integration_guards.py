@@ -284,8 +284,10 @@ def test_padded_batch_keeps_its_attention_mask():
 @pytest.mark.parametrize("key", ["cu_seqlens", "cu_seq_lens_q", "position_ids", "seq_targets", "seq_weights"])
 def test_per_batch_values_that_are_not_tensors_are_refused_by_name(key):
     """A list where the loss reads a tensor: TypeError naming the key, from the patched model's
-    call and from the batch readers, instead of an AttributeError deep inside."""
-    from packed_ce.integrations import count_num_items, sequence_boundaries
+    call and from the loss and the counter reading a batch, instead of an AttributeError deep
+    inside. Each is type-checked once on its way: where the model's forward reads it first
+    (``cu_seq_lens_q``, ``position_ids``), else where the loss checks its arguments."""
+    from packed_ce.integrations import PackedCausalLMLoss, count_num_items
 
     model = apply_packed_loss(tiny_model("llama", VOCAB))
     batch = packed_batch()
@@ -298,7 +300,10 @@ def test_per_batch_values_that_are_not_tensors_are_refused_by_name(key):
         readers = {k: v for k, v in batch.items() if k != "cu_seqlens"}
         if key == "position_ids":
             readers.pop("cu_seq_lens_q")
-    with pytest.raises(TypeError, match=f"^{key} must be a torch.Tensor"):
-        sequence_boundaries(batch["labels"], readers)
-    with pytest.raises(TypeError, match=f"^{key} must be a torch.Tensor"):
+    argument = "cu_seqlens" if key == "cu_seq_lens_q" else key  # the loss's argument it is read as
+    logits = torch.zeros(*batch["labels"].shape, VOCAB)
+    keywords = {k: v for k, v in readers.items() if k != "labels"}
+    with pytest.raises(TypeError, match=f"^{argument} must be a torch.Tensor, got list"):
+        PackedCausalLMLoss()(logits, batch["labels"], **keywords)
+    with pytest.raises(TypeError, match=f"^{argument} must be a torch.Tensor, got list"):
         count_num_items(readers)

@@ -18,7 +18,7 @@
 
 from .batch import count_num_items, next_token_targets, sequence_boundaries
 from .context_parallel import disable_context_parallel, enable_context_parallel
-from .fused_forward import fusable_reason
+from .forward import fusable_reason
 from .installation import packed_loss_of
 from .loss import PackedCausalLMLoss
 from .tiny import tiny_causal_lm

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS, SHIFT_LABELS
+
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .hooks import POSITION_IDS_KEY, batch_tensor
+from .guards import POSITION_IDS_KEY
 
 
 def sequence_boundaries(
@@ -37,25 +39,26 @@ def sequence_boundaries(
         come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
         conversation split across rows, micro-batches or ranks keeps its weight.
 
-    Raises:
-        TypeError naming the key, for a ``cu_seqlens``, ``cu_seq_lens_q``, ``position_ids``,
-        ``seq_targets`` or ``seq_weights`` that is not a tensor (a list, say).
+    A value that is not a tensor (a list, say) is passed on as it is: the loss refuses it, naming
+    its argument, with the rest of its metadata (:func:`packed_ce.validation.check_labels`), so
+    each of these tensors is type-checked once.
     """
-    cu_seqlens = batch_tensor(batch, "cu_seqlens")
-    if cu_seqlens is not None:
-        found = {"cu_seqlens": cu_seqlens.to(labels.device)}
-        for key in ("seq_targets", "seq_weights") if is_packed else ("seq_weights",):
-            if batch_tensor(batch, key) is not None:
-                found[key] = batch[key].to(labels.device)
-        return found
-    if batch_tensor(batch, "cu_seq_lens_q") is not None:
-        return {"cu_seqlens": batch["cu_seq_lens_q"].to(labels.device)}
-    for key in (POSITION_IDS_KEY, "position_ids"):
-        if batch_tensor(batch, key) is not None:
-            return {"position_ids": batch[key].to(labels.device)}
+
+    def on_device(value):  # anything but a tensor is refused by name where the loss checks it
+        return value.to(labels.device) if isinstance(value, torch.Tensor) else value
+
+    if batch.get(CU_SEQLENS) is not None:
+        keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
+        found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
+        return {CU_SEQLENS: on_device(batch[CU_SEQLENS]), **found}
+    if batch.get(CU_SEQ_LENS_Q) is not None:
+        return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
+    for key in (POSITION_IDS_KEY, POSITION_IDS):
+        if batch.get(key) is not None:
+            return {POSITION_IDS: on_device(batch[key])}
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0
-    return {"cu_seqlens": torch.arange(rows + 1, device=labels.device) * row_length}
+    return {CU_SEQLENS: torch.arange(rows + 1, device=labels.device) * row_length}
 
 
 def next_token_targets(
@@ -154,9 +157,9 @@ def count_num_items(
 
 def _count_items(batch: Mapping[str, Any], *, is_packed: bool, shift: bool, ignore_index: int):
     """What the loss of one batch divides by (:func:`packed_ce.count_normaliser`), 0-d."""
-    labels = batch.get("shift_labels")
+    labels = batch.get(SHIFT_LABELS)
     if labels is None:
-        labels = batch["labels"]
+        labels = batch[LABELS]
     else:
         shift = False  # already shifted
     options = LossOptions(is_packed=is_packed, shift=shift, ignore_index=ignore_index)

@@ -34,6 +34,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from collators.columns import (
+    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS,
+    SEQ_WEIGHTS,
+)
+
 from .installation import base_model
 
 _names = itertools.count()
@@ -218,7 +223,7 @@ def _make_attention(state: ContextParallel):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         layout = state.layout
-        if layout is None or kwargs.get("position_ids") is not layout.local_positions:
+        if layout is None or kwargs.get(POSITION_IDS) is not layout.local_positions:
             raise RuntimeError(
                 "context-parallel attention called outside the decoder's forward that laid out "
                 "the row: call the model (or its decoder) with the shard's position_ids"
@@ -340,12 +345,12 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
 
 def _lay_out_hook(state: ContextParallel):
     def hook(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
-        if kwargs.get("attention_mask") is not None:
+        if kwargs.get(ATTENTION_MASK) is not None:
             raise ValueError(
                 "a context-parallel call takes no attention_mask: conversations are found from "
                 "position_ids (pass the batch of collators.shard_batch as it is)"
             )
-        position_ids = kwargs.get("position_ids")
+        position_ids = kwargs.get(POSITION_IDS)
         if position_ids is None:
             raise ValueError(
                 "a context-parallel call needs the position_ids of collators.shard_batch: they "
@@ -402,20 +407,20 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
     """
     from collators import shard_batch
 
-    input_ids, labels = batch["input_ids"], batch["labels"]
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
+    input_ids, labels = batch[INPUT_IDS], batch[LABELS]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get(ATTENTION_MASK) is not None:
         raise ValueError(
             "context parallelism needs one packed row per batch (PackedCollator, or trl's "
             f"padding_free=True), got input_ids of shape {tuple(input_ids.shape)}"
-            + (" and an attention_mask" if batch.get("attention_mask") is not None else "")
+            + (" and an attention_mask" if batch.get(ATTENTION_MASK) is not None else "")
         )
     length = input_ids.shape[1]
     device = input_ids.device
-    cu_seqlens = batch.get("cu_seqlens")
+    cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is None:
-        cu_seqlens = batch.get("cu_seq_lens_q")
+        cu_seqlens = batch.get(CU_SEQ_LENS_Q)
     if cu_seqlens is None:
-        positions = batch.get("position_ids")
+        positions = batch.get(POSITION_IDS)
         if positions is None:
             starts = torch.zeros(1, dtype=torch.int64, device=device)
         else:
@@ -426,18 +431,18 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
     multiple = 2 * world_size
     padding = -length % multiple
-    row = {"input_ids": input_ids, "labels": labels, "cu_seqlens": cu_seqlens}
-    for key in ("seq_targets", "seq_weights", "seq_sources"):
+    row = {INPUT_IDS: input_ids, LABELS: labels, CU_SEQLENS: cu_seqlens}
+    for key in (SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES):
         if batch.get(key) is not None:
             row[key] = batch[key]
     if padding:
-        row["input_ids"] = F.pad(input_ids, (0, padding), value=0)
-        row["labels"] = F.pad(labels, (0, padding), value=ignore_index)
-        row["cu_seqlens"] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
-        if "seq_targets" in row:
-            row["seq_targets"] = torch.cat((row["seq_targets"], row["seq_targets"].new_ones(1)))
-        if "seq_weights" in row:
-            row["seq_weights"] = torch.cat((row["seq_weights"], row["seq_weights"].new_zeros(1)))
-        if "seq_sources" in row:
-            row["seq_sources"] = list(row["seq_sources"]) + [None]
+        row[INPUT_IDS] = F.pad(input_ids, (0, padding), value=0)
+        row[LABELS] = F.pad(labels, (0, padding), value=ignore_index)
+        row[CU_SEQLENS] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
+        if SEQ_TARGETS in row:
+            row[SEQ_TARGETS] = torch.cat((row[SEQ_TARGETS], row[SEQ_TARGETS].new_ones(1)))
+        if SEQ_WEIGHTS in row:
+            row[SEQ_WEIGHTS] = torch.cat((row[SEQ_WEIGHTS], row[SEQ_WEIGHTS].new_zeros(1)))
+        if SEQ_SOURCES in row:
+            row[SEQ_SOURCES] = list(row[SEQ_SOURCES]) + [None]
     return shard_batch(row, rank, world_size, ignore_index=ignore_index)

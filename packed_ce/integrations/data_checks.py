@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from collators.checks import check_weight_range, conversation_weight, targets_per_sequence, weight_array
-from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
+from collators.columns import INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN
 
 logger = logging.getLogger(__name__)
 
@@ -85,10 +85,10 @@ def check_columns(dataset, name: str) -> None:
             for row, weight in enumerate(dataset[WEIGHT_COLUMN])
         ]
         check_weight_range(np.array(weights), lambda i: f"{name}[{i}][{WEIGHT_COLUMN!r}]", name)
-    if "seq_weights" in columns:  # rows packed by collators.pack_dataset: one per sequence
+    if SEQ_WEIGHTS in columns:  # rows packed by collators.pack_dataset: one per sequence
         per_row = [
             weight_array(values, f"{name}[{row}]['seq_weights']")
-            for row, values in enumerate(dataset["seq_weights"])
+            for row, values in enumerate(dataset[SEQ_WEIGHTS])
         ]
         rows = np.repeat(np.arange(len(per_row)), [len(values) for values in per_row])
         starts = np.searchsorted(rows, rows)  # each weight's index within its row: i - starts[i]
@@ -155,15 +155,15 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
     Raises:
         ValueError naming the row and the fix; naming the data set when no row is left.
     """
-    if not isinstance(dataset, datasets.Dataset) or not {"input_ids", "labels"} <= set(dataset.column_names):
+    if not isinstance(dataset, datasets.Dataset) or not {INPUT_IDS, LABELS} <= set(dataset.column_names):
         return dataset
     columns = dataset.column_names
-    packed, split = "seq_lengths" in columns, "seq_targets" in columns
-    read = ["input_ids", "labels"] + ["seq_lengths"] * packed
+    packed, split = SEQ_LENGTHS in columns, SEQ_TARGETS in columns
+    read = [INPUT_IDS, LABELS] + [SEQ_LENGTHS] * packed
     missing, counted, row = [], 0, 0
     for table in dataset.select_columns(read).with_format("arrow").iter(batch_size=_BATCH_ROWS):
-        tokens = pc.fill_null(pc.list_value_length(table["input_ids"]), 0).to_numpy(zero_copy_only=False)
-        labels = table["labels"].combine_chunks()
+        tokens = pc.fill_null(pc.list_value_length(table[INPUT_IDS]), 0).to_numpy(zero_copy_only=False)
+        labels = table[LABELS].combine_chunks()
         label_counts = pc.fill_null(pc.list_value_length(labels), 0).to_numpy(zero_copy_only=False)
         for offset in np.flatnonzero((tokens != label_counts) | (tokens == 0)):
             at = f"`{name}[{row + offset}]`"
@@ -180,7 +180,7 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
                 "per token (-100 where nothing is trained)."
             )
         if packed:
-            lengths_column = table["seq_lengths"].combine_chunks()
+            lengths_column = table[SEQ_LENGTHS].combine_chunks()
             lengths = pc.list_flatten(lengths_column).to_numpy(zero_copy_only=False).astype(np.int64)
             per_row = pc.fill_null(pc.list_value_length(lengths_column), 0).to_numpy(zero_copy_only=False)
         else:

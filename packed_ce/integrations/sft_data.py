@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from collators.collate import sequence_sources, sequence_weights
-from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
-from .trainer import ROW_COLUMNS, SOURCES_KEY
+from collators.columns import (
+    CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, ROW_COLUMNS, SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS,
+    SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN,
+)
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
@@ -60,7 +62,7 @@ def pack(dataset, max_length: int, strategy: str):
     overflow = "split" if strategy == "bfd_split" else "truncate"
     # an IterableDataset may not know its columns before its first row
     names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
-    columns = [c for c in ("input_ids", "labels", WEIGHT_COLUMN, SOURCE_COLUMN) if c in names]
+    columns = [c for c in (INPUT_IDS, LABELS, WEIGHT_COLUMN, SOURCE_COLUMN) if c in names]
     return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
 
 
@@ -91,27 +93,27 @@ class SequenceColumns:
         batch = self.collator(examples)
         if not any(extra):
             return batch
-        if len({values.get("seq_targets") is None for values in extra}) > 1:
+        if len({values.get(SEQ_TARGETS) is None for values in extra}) > 1:
             raise ValueError(
                 "some examples of the batch carry 'seq_targets' and some do not: give every "
                 "packed row its sequences' target counts, or none"
             )
         targets, weights, sources = [], [], []
         for index, (example, values) in enumerate(zip(examples, extra)):
-            count = len(example["seq_lengths"]) if "seq_lengths" in example else 1
-            targets += values.get("seq_targets") or []
+            count = len(example[SEQ_LENGTHS]) if SEQ_LENGTHS in example else 1
+            targets += values.get(SEQ_TARGETS) or []
             given = sequence_weights(values, index, count)
             weights += [1.0] * count if given is None else given.tolist()
             sources += sequence_sources(values, index, count)
         if self.padding_free:
-            cu_seqlens = batch["cu_seq_lens_q"]
+            cu_seqlens = batch[CU_SEQ_LENS_Q]
         else:
-            rows, width = batch["input_ids"].shape
+            rows, width = batch[INPUT_IDS].shape
             cu_seqlens = torch.arange(rows + 1, dtype=torch.int32) * width
         padding = cu_seqlens.numel() - 1 - len(weights)
-        batch["cu_seqlens"] = cu_seqlens
+        batch[CU_SEQLENS] = cu_seqlens
         if targets:  # pieces of split conversations (every row of a split packing)
-            batch["seq_targets"] = torch.tensor(targets + [1] * padding, dtype=torch.int32)
-        batch["seq_weights"] = torch.tensor(weights + [0.0] * padding, dtype=torch.float64)
-        batch[SOURCES_KEY] = sources + [None] * padding
+            batch[SEQ_TARGETS] = torch.tensor(targets + [1] * padding, dtype=torch.int32)
+        batch[SEQ_WEIGHTS] = torch.tensor(weights + [0.0] * padding, dtype=torch.float64)
+        batch[SEQ_SOURCES] = sources + [None] * padding
         return batch

@@ -27,14 +27,16 @@ from trl import SFTTrainer
 from trl.chat_template_utils import has_generation_markers
 from trl.data_utils import is_conversational
 
+from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
+
 from ..stats import TokenStats
 from . import sft_data
-from .fused_forward import fusable_reason
+from .forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
 from . import data_checks
 from .data_checks import check_datasets, skip_or_refuse_without_targets
-from .trainer import PackedNormaliserMixin, _sources_of, refuse_token_mean_options
+from .trainer import PackedNormaliserMixin, refuse_token_mean_options
 from .seams import warn_if_untested_trl
 from .transformers import apply_packed_loss
 
@@ -114,7 +116,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         check_datasets(bound, type(self).__name__, skip_no_assistant, assistant_only=assistant_only)
         self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
-        self._sources = _sources_of(bound.get("train_dataset"), bound.get("eval_dataset"))
+        self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
         if config is not None and config.assistant_only_loss:
             template = getattr(bound.get("processing_class"), "chat_template", None)
@@ -211,10 +213,10 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         metrics["mean_token_accuracy"].append(correct / targets if targets > 0 else 0.0)
         if mode == "train":
             # tokens seen, padding excluded, counted as trl counts them
-            if "attention_mask" in inputs:
-                local = inputs["attention_mask"].sum()
+            if ATTENTION_MASK in inputs:
+                local = inputs[ATTENTION_MASK].sum()
             else:
-                local = sums.new_tensor(inputs["input_ids"].numel())
+                local = sums.new_tensor(inputs[INPUT_IDS].numel())
             tokens = int(self.accelerator.gather_for_metrics(local[None]).sum())
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]

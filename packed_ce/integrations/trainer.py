@@ -27,7 +27,7 @@ import inspect
 import torch
 from transformers import Trainer, TrainerCallback
 
-from collators.packing import SOURCE_COLUMN, WEIGHT_COLUMN
+from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, source_names
 
 from ..pending import check_pending
 from .batch import count_num_items
@@ -37,18 +37,12 @@ from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 from .seams import RefuseOtherTrainers
 
-# The batch key of each sequence's data source (collators.PackedCollator, PackedSFTTrainer's
-# collator): a list of str or None, aligned with the batch's cu_seqlens.
-SOURCES_KEY = "seq_sources"
-# Data set columns the trainers keep for the collator: a packed row's boundaries, and each
-# conversation's (or piece's) target count, weight and source.
-ROW_COLUMNS = ("seq_lengths", "seq_targets", "seq_weights", SOURCES_KEY, WEIGHT_COLUMN, SOURCE_COLUMN)
 # Batch keys of floating tensors that are part of the objective, not activations: under
 # DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
 # (Trainer._prepare_input), and the float64 weights would change while the step's normaliser is
 # counted from them as collated: in float32 a weight of 1e-46 becomes 0 and one of 1e39 inf, in
 # bf16 a weight of 0.1 weighs 0.10009765625.
-EXACT_FLOAT_KEYS = ("seq_weights",)
+EXACT_FLOAT_KEYS = (SEQ_WEIGHTS,)
 
 
 class CheckPendingValues(TrainerCallback):
@@ -118,7 +112,7 @@ class PackedNormaliserMixin:
         self.remove_callback(RefuseOtherTrainers)
         self.add_callback(CheckPendingValues)
         if not self._sources:
-            self._sources = _sources_of(self.train_dataset, self.eval_dataset)
+            self._sources = source_names(self.train_dataset, self.eval_dataset)
 
     def _set_up_context_parallel(self) -> None:
         """With ``parallelism_config=ParallelismConfig(cp_size=K)`` (accelerate's), the ``K`` ranks
@@ -187,7 +181,7 @@ class PackedNormaliserMixin:
             ``(loss, outputs)``.
         """
         inputs = dict(inputs)
-        sources = inputs.pop(SOURCES_KEY, None)
+        sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
         call = {**inputs, "use_cache": False, **keywords}
         if want_sources:
@@ -249,7 +243,7 @@ class PackedNormaliserMixin:
         self, batch_samples: list, device: torch.device
     ) -> torch.Tensor | None:
         """Sequences with a target (or targets) over ``batch_samples`` and all processes."""
-        if not batch_samples or "labels" not in batch_samples[0]:
+        if not batch_samples or LABELS not in batch_samples[0]:
             return None
         loss = packed_loss_of(self.model)
         count = count_num_items(
@@ -336,22 +330,3 @@ def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:
     if compute_loss_func is not None:
         raise ValueError(f"{trainer}: compute_loss_func replaces the packed loss; leave it out")
 
-
-def _datasets(dataset) -> list:
-    """The data sets of a ``train_dataset`` / ``eval_dataset`` argument (a dict of them too)."""
-    if dataset is None:
-        return []
-    return list(dataset.values()) if isinstance(dataset, dict) else [dataset]
-
-
-def _sources_of(*arguments) -> tuple[str, ...]:
-    """The sorted source names in the ``source`` / ``seq_sources`` columns of ``train_dataset``
-    / ``eval_dataset`` arguments (``datasets.Dataset`` objects; none for other data)."""
-    names = set()
-    for data in (data for argument in arguments for data in _datasets(argument)):
-        columns = getattr(data, "column_names", None) or []
-        if SOURCE_COLUMN in columns:
-            names.update(s for s in data[SOURCE_COLUMN] if isinstance(s, str))
-        if SOURCES_KEY in columns:
-            names.update(s for row in data[SOURCES_KEY] for s in row if isinstance(s, str))
-    return tuple(sorted(names))

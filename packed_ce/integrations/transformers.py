@@ -8,7 +8,7 @@ and ``position_ids``, plus ``num_items_in_batch`` from the Trainer).
 model instance can get its own loss without touching the class:
 
 - :func:`apply_packed_loss` (this file) installs a :class:`PackedCausalLMLoss` (``loss.py``) on
-  one model and a forward (``fused_forward.py``) that keeps every call exact (``hooks.py``),
+  one model and a forward (``forward.py``) that keeps every call exact (``guards.py``),
   hands ``position_ids`` to the loss (the model consumes them and does not pass them on) and,
   optionally, computes the loss from the hidden states with
   :func:`packed_ce.fused_linear_cross_entropy`; what it changed is recorded
@@ -35,7 +35,7 @@ import functools
 from torch import nn
 
 from ..options import ChunkOptions
-from .fused_forward import fusable_reason, make_forward, refuse_bypass
+from .forward import fusable_reason, make_forward, refuse_bypass
 from .installation import MISSING, Installation, base_model
 from .loss import PackedCausalLMLoss
 

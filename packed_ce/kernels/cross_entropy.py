@@ -2,12 +2,8 @@
 
 The kernel knows nothing about sequences: :mod:`packed_ce.targets` folds packing, shift and
 the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel computes
-
-    loss[t] = coef[t] * l_t,   l_t = (1-eps)(lse - x_y) + eps (lse - mean_j x_j) + z lse^2
-    dL/dx_j = g_t * coef[t] * (p_j (1 + 2 z lse) - eps / V - (1-eps) [j == y])
-
-with ``p = softmax(x)``, ``g_t`` the upstream gradient of row ``t`` and, under ``softcap``
-(``x = c tanh(raw / c)``), the chain factor ``dx/draw = 1 - tanh(raw / c)^2``.
+``loss[t] = coef[t] * l_t`` and its gradient ``dL/dx_j`` as docs/reference.md ("The loss,
+exactly") defines them, with ``g_t`` the upstream gradient of row ``t``.
 
 Two ways to run it, both one program per row:
 - fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient

@@ -7,12 +7,17 @@ from typing import Any
 
 import torch
 
+from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
+
 # The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
 # any extra keyword it also reaches the attention functions, which ignore keywords they do not
 # know.
 POSITION_IDS_KEY = "packed_ce_position_ids"
-# The per-batch tensors the packed loss reads from a batch or a model call.
-BATCH_TENSORS = ("cu_seqlens", "cu_seq_lens_q", "position_ids", "seq_targets", "seq_weights")
+# The per-call tensors the model's own forward reads before the packed loss does (its attention:
+# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter. The
+# loss's own arguments (cu_seqlens, seq_targets, seq_weights, and these where the loss reads them)
+# are type-checked once, with their other metadata, by packed_ce.validation.check_labels.
+MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
@@ -44,7 +49,7 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
     """
-    for key in BATCH_TENSORS:
+    for key in MODEL_TENSORS:
         batch_tensor(kwargs, key)
     if kwargs.get("fused_lm_head"):
         raise ValueError(
@@ -53,9 +58,9 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
             "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
         )
     kwargs = _exact_packed_call(args, kwargs)
-    if kwargs.get("labels") is not None and kwargs.get("position_ids") is not None:
-        if kwargs.get("cu_seqlens") is None and kwargs.get("cu_seq_lens_q") is None:
-            kwargs = {**kwargs, POSITION_IDS_KEY: kwargs["position_ids"]}
+    if kwargs.get(LABELS) is not None and kwargs.get(POSITION_IDS) is not None:
+        if kwargs.get(CU_SEQLENS) is None and kwargs.get(CU_SEQ_LENS_Q) is None:
+            kwargs = {**kwargs, POSITION_IDS_KEY: kwargs[POSITION_IDS]}
     return kwargs
 
 
@@ -76,14 +81,14 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
     Deciding whether boundaries lie inside rows reads them (one host sync), and only happens
     when an ``attention_mask`` or ``past_key_values`` is passed with them.
     """
-    boundaries = kwargs.get("cu_seqlens")
+    boundaries = kwargs.get(CU_SEQLENS)
     if boundaries is None:
-        boundaries = kwargs.get("cu_seq_lens_q")
-    positions = kwargs.get("position_ids") if kwargs.get("labels") is not None else None
+        boundaries = kwargs.get(CU_SEQ_LENS_Q)
+    positions = kwargs.get(POSITION_IDS) if kwargs.get(LABELS) is not None else None
     if boundaries is None and positions is None:
         return kwargs
     kwargs = {**kwargs, "use_cache": False}
-    mask = kwargs.get("attention_mask")
+    mask = kwargs.get(ATTENTION_MASK)
     if mask is None and kwargs.get("past_key_values") is None:
         return kwargs
     if not _restarts_inside_rows(args, kwargs, boundaries, positions):
@@ -100,14 +105,17 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
             "each other. Leave attention_mask out and make padding a sequence of its own "
             "(collators.PackedCollator(pad_to_multiple_of=...) does)"
         )
-    del kwargs["attention_mask"]
+    del kwargs[ATTENTION_MASK]
     return kwargs
 
 
 def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
-    """True if a sequence of the batch starts anywhere but at the start of a row."""
+    """True if a sequence of the batch starts anywhere but at the start of a row (False for
+    ``cu_seqlens`` that are not a tensor: the loss refuses them by name)."""
     if boundaries is not None:
-        tokens = kwargs.get("input_ids")
+        if not isinstance(boundaries, torch.Tensor):
+            return False
+        tokens = kwargs.get(INPUT_IDS)
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
         if tokens is None and args:

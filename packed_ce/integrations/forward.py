@@ -15,7 +15,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .hooks import checked_call
+from collators.columns import LABELS, SHIFT_LABELS
+
+from .guards import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 
@@ -68,33 +70,6 @@ def _own_forward(model: nn.Module, installation: Installation) -> Callable:
 _running = threading.local()
 
 
-def _packed_forward(model: nn.Module, args: tuple, kwargs: dict):
-    """The model's forward on a checked call; the loss from the hidden states where fused.
-
-    The call is first made exact or refused (:func:`checked_call`). Then, with the fused loss,
-    in training mode with ``labels`` (passed by keyword), the decoder runs as in the model's own
-    forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
-    hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
-    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keywords
-    ``packed_ce_token_stats`` / ``packed_ce_seq_losses`` the loss's own
-    :class:`packed_ce.TokenStats` / :class:`packed_ce.SequenceLosses` are kept on the model's
-    :class:`PackedCausalLMLoss`, as its call on logits does. Every other call runs the model's
-    own forward (the keywords then reach the loss function). Everything is looked up on
-    ``model`` at call time, so a copy of the model (``copy.deepcopy``) uses its own modules.
-    """
-    installation = model._packed_ce
-    kwargs = checked_call(args, kwargs)
-    labels = kwargs.get("labels")
-    fused = installation.fused_options is not None
-    _running.depth = getattr(_running, "depth", 0) + 1
-    try:
-        if not fused or args or labels is None or not model.training:
-            return _own_forward(model, installation)(*args, **kwargs)
-        return _fused_linear_forward(model, installation, kwargs)
-    finally:
-        _running.depth -= 1
-
-
 def refuse_bypass(model: nn.Module, decoder: nn.Module, args: tuple, kwargs: dict) -> None:
     """The decoder's forward pre-hook: refuses a training pass that skips the packed loss.
 
@@ -125,12 +100,12 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     from ..fused_linear import fused_linear_cross_entropy
 
     kwargs = dict(kwargs)
-    labels = kwargs.pop("labels")
+    labels = kwargs.pop(LABELS)
     want_stats = bool(kwargs.pop(TOKEN_STATS_KEY, False))
     want_seq = bool(kwargs.pop(SEQ_LOSSES_KEY, False))
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
-    shift_labels = kwargs.pop("shift_labels", None)
+    shift_labels = kwargs.pop(SHIFT_LABELS, None)
     outputs = model.get_decoder()(**kwargs)
     hidden = outputs[0]
     head = model.get_output_embeddings()
@@ -160,12 +135,35 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
 
 
 def make_forward(model: nn.Module) -> Callable:
-    """:func:`_packed_forward` bound to ``model``, with the signature of its own forward."""
+    """``model``'s forward on a checked call, with the signature of its own forward; the loss from
+    the hidden states where fused.
+
+    The call is first made exact or refused (:func:`checked_call`). Then, with the fused loss, in
+    training mode with ``labels`` (passed by keyword), the decoder runs as in the model's own
+    forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
+    hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
+    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keywords
+    ``packed_ce_token_stats`` / ``packed_ce_seq_losses`` the loss's own
+    :class:`packed_ce.TokenStats` / :class:`packed_ce.SequenceLosses` are kept on the model's
+    :class:`PackedCausalLMLoss`, as its call on logits does. Every other call runs the model's
+    own forward (the keywords then reach the loss function). Everything is looked up on
+    ``model`` at call time, so a copy of the model (``copy.deepcopy``) uses its own modules.
+    """
 
     # wraps: inspect.signature(model.forward) keeps the original parameters, which the Trainer
     # reads to decide which data set columns to keep and whether the model takes loss keywords.
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
-        return _packed_forward(self, args, kwargs)
+        installation = self._packed_ce
+        kwargs = checked_call(args, kwargs)
+        labels = kwargs.get(LABELS)
+        fused = installation.fused_options is not None
+        _running.depth = getattr(_running, "depth", 0) + 1
+        try:
+            if not fused or args or labels is None or not self.training:
+                return _own_forward(self, installation)(*args, **kwargs)
+            return _fused_linear_forward(self, installation, kwargs)
+        finally:
+            _running.depth -= 1
 
     return forward.__get__(model)
