@@ -78,7 +78,7 @@ def build(model_name: str, world: int, device: torch.device):
 
 
 def step(model, optimizer, batch: dict, rank: int, world: int) -> float:
-    num_items = count_num_items(batch, all_reduce=False)  # every rank holds the whole row
+    num_items = count_num_items(batch)  # summed over the ranks, each row counted once
     inputs = shard_batch(batch, rank, world) if world > 1 else batch
     loss = model(**inputs, num_items_in_batch=num_items).loss
     loss.backward()

@@ -107,11 +107,14 @@ def worker(
     dtype = getattr(torch, dtype_name)
     try:
         batch = to_device(packed_batch(scale), device)
-        num_items = count_num_items(batch, all_reduce=False)  # every rank holds the whole batch
+        local = count_num_items(batch, all_reduce=False)
         shard = shard_batch(batch, rank, WORLD)
         for setup in setups:
             model = build_model(setup, device, dtype)
             enable_context_parallel(model)
+            # the contract's normaliser: summed over the ranks, each of which holds the row
+            num_items = count_num_items(batch)
+            assert num_items.item() == local.item(), (num_items, local)
             model.zero_grad(set_to_none=True)
             loss = model(**shard, num_items_in_batch=num_items).loss
             loss.backward()
@@ -216,7 +219,7 @@ def _one_rank_worker(rank: int, port: int, out_dir: str) -> None:
         enable_context_parallel(model)
         assert model.config._attn_implementation == attention
         batch = packed_batch()
-        loss = model(**shard_batch(batch, 0, 1), num_items_in_batch=count_num_items(batch, all_reduce=False)).loss
+        loss = model(**shard_batch(batch, 0, 1), num_items_in_batch=count_num_items(batch)).loss
         torch.save(loss.detach(), os.path.join(out_dir, "one.pt"))
         disable_context_parallel(model)
     finally:
@@ -451,7 +454,7 @@ def fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
         fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False)
         fully_shard(model)
         batch = packed_batch()
-        loss = model(**shard_batch(batch, rank, WORLD), num_items_in_batch=count_num_items(batch, all_reduce=False)).loss
+        loss = model(**shard_batch(batch, rank, WORLD), num_items_in_batch=count_num_items(batch)).loss
         (loss * WORLD).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         total = loss.detach().clone()

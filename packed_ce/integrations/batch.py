@@ -124,7 +124,9 @@ def count_num_items(
         is_packed: count sequences (True) or target tokens (False), as the loss averages.
         shift: ``labels`` are aligned with ``input_ids`` (the causal-LM convention).
         ignore_index: label value that is not a target.
-        all_reduce: sum over processes when ``torch.distributed`` is initialised.
+        all_reduce: sum over processes when ``torch.distributed`` is initialised; the ranks of a
+            context-parallel group (:func:`enable_context_parallel`) hold the same rows, and
+            their sum counts each row once.
         group: the process group of the sum (default: the whole world).
 
     Returns:
@@ -152,6 +154,13 @@ def count_num_items(
         if torch.distributed.get_backend(group) == "nccl":
             total = total.to(torch.device("cuda", torch.cuda.current_device()))
         torch.distributed.all_reduce(total, group=group)
+        # the ranks of a context-parallel group hold the same rows: each row counted once
+        # (imported here: context_parallel imports the loss, which imports this module)
+        from .context_parallel import ranks_per_row
+
+        sharing = ranks_per_row(group)
+        if sharing > 1:
+            total = total / sharing if total.is_floating_point() else total // sharing
     return total
 
 

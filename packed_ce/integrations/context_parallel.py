@@ -42,6 +42,8 @@ from collators.columns import (
 from .installation import base_model
 
 _names = itertools.count()
+# The context-parallel groups of the models enabled in this process (groups of more than one rank).
+_ENABLED: list = []
 # Up to this many (query, key) pairs the dense boolean mask (16 MiB) is cheaper than building a
 # block mask; flex attention's kernels for fewer than 128 queries (its decoding kernels) also
 # fail to compile for some shapes (float32, grouped heads: "No choices to select").
@@ -339,6 +341,7 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
         state.hook = target.get_decoder().register_forward_pre_hook(
             _lay_out_hook(state), with_kwargs=True
         )
+        _ENABLED.append(state)
     target._packed_ce_context_parallel = state
     return model
 
@@ -377,8 +380,33 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
         target.set_attn_implementation(state.previous_attention)
         state.hook.remove()
         AttentionInterface._global_mapping.pop(state.attention_name, None)
+        _ENABLED.remove(state)
     del target._packed_ce_context_parallel
     return model
+
+
+def ranks_per_row(group=None) -> int:
+    """How many ranks of ``group`` (default: the world) hold each packed row.
+
+    With context parallelism enabled in this process, the ranks of its group hold the same rows,
+    so a sum over ``group`` that contains them counts every row that many times
+    (:func:`count_num_items` divides by it); 1 otherwise.
+
+    Raises:
+        ValueError: if models with groups of different sizes are enabled at once.
+    """
+    inside = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    sizes = {
+        state.world_size
+        for state in _ENABLED
+        if set(dist.get_process_group_ranks(state.group or dist.group.WORLD)) <= inside
+    }
+    if len(sizes) > 1:
+        raise ValueError(
+            f"context parallelism is enabled with groups of {sorted(sizes)} ranks: count the "
+            "rows with count_num_items(..., all_reduce=False) and sum them yourself"
+        )
+    return sizes.pop() if sizes else 1
 
 
 def context_parallel_of(model: nn.Module) -> ContextParallel | None:
