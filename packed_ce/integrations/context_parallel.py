@@ -39,6 +39,7 @@ from collators.columns import (
     SEQ_WEIGHTS,
 )
 
+from ..targets import sequence_ids
 from .installation import base_model
 
 _names = itertools.count()
@@ -57,17 +58,13 @@ class _RowLayout:
     Attributes:
         local_positions: the ``(1, L)`` ``position_ids`` tensor of the forward (identity-checked
             in the attention, so a stale layout is never used).
-        documents: ``(T,)`` int32 conversation id of each row token, in row order.
-        queries: ``(L,)`` int64 row index of each local token.
         order: ``(T,)`` int64: row token ``t`` is entry ``order[t]`` of the rank-major gather.
-        block_mask: the flex-attention block mask (CUDA), or None.
+        mask: the flex-attention block mask (CUDA, long rows), or the dense ``(L, T)`` bool mask.
     """
 
     local_positions: torch.Tensor
-    documents: torch.Tensor
-    queries: torch.Tensor
     order: torch.Tensor
-    block_mask: object = None
+    mask: object
 
 
 @dataclass
@@ -167,8 +164,8 @@ def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayou
     local = position_ids.shape[1]
     chunk = local // 2
     device = position_ids.device
-    gathered = position_ids.new_empty((world, local))
-    dist.all_gather(list(gathered.unbind(0)), position_ids[0].contiguous(), group=state.group)
+    gathered = position_ids.new_empty(world * local)  # rank-major
+    dist.all_gather_into_tensor(gathered, position_ids[0].contiguous(), group=state.group)
     # rank r holds row chunks r and 2W-1-r: entry (r, half, i) of the gather is row token
     # chunk(r, half) * C + i
     chunk_of = torch.tensor(
@@ -177,25 +174,22 @@ def _layout_row(state: ContextParallel, position_ids: torch.Tensor) -> _RowLayou
     row_index = (chunk_of[:, :, None] * chunk + torch.arange(chunk, device=device)).reshape(-1)
     order = torch.empty_like(row_index)
     order[row_index] = torch.arange(row_index.numel(), device=device)
-    positions = gathered.reshape(-1)[order]  # (T,) in row order
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[1:] = positions[1:] != positions[:-1] + 1
-    documents = starts.cumsum(0, dtype=torch.int32)
-    queries = row_index.reshape(world, local)[rank]
-    layout = _RowLayout(position_ids, documents, queries, order)
-    if device.type == "cuda" and local * positions.numel() > DENSE_MASK_ELEMENTS:
+    positions = gathered[order]  # (T,) in row order
+    documents, _ = sequence_ids(positions, None, positions)  # (T,) conversation of each token
+    queries = row_index.reshape(world, local)[rank]  # (L,) row index of each local token
+    mask_mod = conversation_mask(documents, queries)
+    total = positions.numel()
+    if device.type == "cuda" and local * total > DENSE_MASK_ELEMENTS:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        layout.block_mask = create_block_mask(
-            conversation_mask(documents, queries),
-            B=None,
-            H=None,
-            Q_LEN=local,
-            KV_LEN=positions.numel(),
-            device=device,
-            _compile=True,  # evaluated block by block: never the (L, T) dense mask
-        )
-    return layout
+        # evaluated block by block: never the (L, T) dense mask
+        mask = create_block_mask(mask_mod, None, None, local, total, device=device, _compile=True)
+    else:
+        # (L, T) bool, for every layer of the forward: each row has its own query token, so
+        # none is empty
+        mask = mask_mod(None, None, torch.arange(local, device=device)[:, None],
+                        torch.arange(total, device=device)[None, :])
+    return _RowLayout(position_ids, order, mask)
 
 
 _compiled_flex_attention = None
@@ -232,28 +226,15 @@ def _make_attention(state: ContextParallel):
             )
         keys = _gather_row(key, state, layout.order)  # (1, Hkv, T, D)
         values = _gather_row(value, state, layout.order)
-        if layout.block_mask is not None:
-            out = _flex_attention()(
-                query, keys, values, block_mask=layout.block_mask, scale=scaling, enable_gqa=True
-            )
-        else:
+        # no dropout: enable_context_parallel refuses a model with attention dropout
+        if isinstance(layout.mask, torch.Tensor):
             groups = query.shape[1] // keys.shape[1]
             keys = keys.repeat_interleave(groups, dim=1)
             values = values.repeat_interleave(groups, dim=1)
-            local, total = query.shape[2], keys.shape[2]
-            mask = conversation_mask(layout.documents, layout.queries)(
-                None,
-                None,
-                torch.arange(local, device=query.device)[:, None],
-                torch.arange(total, device=query.device)[None, :],
-            )  # (L, T) bool: each row has its own query token, so none is empty
-            out = F.scaled_dot_product_attention(
-                query,
-                keys,
-                values,
-                attn_mask=mask,
-                dropout_p=dropout if module.training else 0.0,
-                scale=scaling,
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=layout.mask, scale=scaling)
+        else:
+            out = _flex_attention()(
+                query, keys, values, block_mask=layout.mask, scale=scaling, enable_gqa=True
             )
         return out.transpose(1, 2).contiguous(), None  # (1, L, Hq, D), no weights
 
@@ -447,15 +428,9 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
     cu_seqlens = batch.get(CU_SEQLENS)
     if cu_seqlens is None:
         cu_seqlens = batch.get(CU_SEQ_LENS_Q)
-    if cu_seqlens is None:
-        positions = batch.get(POSITION_IDS)
-        if positions is None:
-            starts = torch.zeros(1, dtype=torch.int64, device=device)
-        else:
-            restart = torch.ones(length, dtype=torch.bool, device=device)
-            restart[1:] = positions[0, 1:] != positions[0, :-1] + 1
-            starts = restart.nonzero()[:, 0]
-        cu_seqlens = torch.cat((starts, starts.new_tensor([length])))
+    if cu_seqlens is None:  # the restarts of position_ids (one sequence without them)
+        sequence, _ = sequence_ids(labels, None, batch.get(POSITION_IDS))
+        cu_seqlens = F.pad(torch.bincount(sequence).cumsum(0), (1, 0))
     cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int64)
     multiple = 2 * world_size
     padding = -length % multiple
