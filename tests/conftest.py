@@ -38,3 +38,17 @@ def no_pending_checks_between_tests():
     pending.discard_pending()
     yield
     pending.discard_pending()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this process alone (gloo, in-memory store), destroyed after the test;
+    yields its device mesh, for DTensors like FSDP2's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

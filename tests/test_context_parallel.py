@@ -226,6 +226,32 @@ def _one_rank_worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def test_gradient_reaches_the_collective_contiguous(one_rank_group):
+    """The keys' gradient comes back to the gather as a permuted view of ``(1, H, T, D)``; the
+    buffer handed to the collective is contiguous (NCCL's reduce-scatter splits raw memory: a
+    buffer keeping the view's strides mixed the ranks' gradients), and equals the gradient."""
+    from packed_ce.integrations.context_parallel import ContextParallel, _gather_row
+
+    state = ContextParallel(group=None, rank=0, world_size=1)
+    leaf = torch.randn(1, 6, 2, 4, requires_grad=True)  # (1, L, H, D), as projected
+    order = torch.tensor([3, 4, 5, 0, 1, 2])  # row token t is entry order[t] of the gather
+    upstream = torch.randn(1, 2, 6, 4)
+    contiguous = []
+    all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):
+        contiguous.append(tensor.is_contiguous())
+        return all_reduce(tensor, *args, **kwargs)
+
+    with mock.patch.object(dist, "all_reduce", spy):
+        rows = _gather_row(leaf.transpose(1, 2), state, order)  # (1, H, T, D)
+        (rows * upstream).sum().backward()
+    assert contiguous == [True]
+    expected = torch.empty_like(upstream).index_copy_(2, order, upstream)  # back to rank order
+    torch.testing.assert_close(leaf.grad, expected.transpose(1, 2), rtol=0, atol=0)
+    torch.testing.assert_close(rows, leaf.transpose(1, 2)[:, :, order], rtol=0, atol=0)
+
+
 def test_refusals_without_a_process_group():
     model = build_model("llama-logits")
     with pytest.raises(ValueError, match="init_process_group"):

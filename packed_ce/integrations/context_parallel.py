@@ -129,7 +129,10 @@ class _GatherRow(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (order,) = ctx.saved_tensors
         state = ctx.state
-        ranked = torch.zeros_like(grad).index_copy_(0, order, grad)  # row order -> rank-major
+        # row order -> rank-major, in a new contiguous buffer: the gradient arrives as a permuted
+        # view of (1, H, T, D), zeros_like would keep its strides, and NCCL's reduce-scatter
+        # splits the raw memory, not the first dimension (the keys' gradients came back mixed)
+        ranked = grad.new_zeros(grad.shape).index_copy_(0, order, grad)
         local = grad.shape[0] // state.world_size
         if dist.get_backend(state.group) == "nccl":
             own = grad.new_empty((local, *grad.shape[1:]))
