@@ -198,6 +198,32 @@ def test_fused_linear_forward(arch, attn):
     assert_loss_close(out.loss, expected_loss)
 
 
+def test_fused_head_given_as_a_dtensor(one_rank_group):
+    """The head's weight as FSDP2 may hand it over: a replicated ``DTensor`` gives the loss and
+    every gradient of the plain weight (its gradient a ``DTensor`` too, for FSDP to reduce); a
+    frozen sharded one the same loss; a trainable sharded one is refused, naming the fix."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    batch = PackedCollator()(synthetic_conversations([12, 30, 7, 19], 96))
+    model = apply_packed_loss(tiny_model("llama", 96), fused_linear=True)
+    expected_loss, expected_grads = loss_and_gradients(model, model_loss(batch))
+    head = model.get_output_embeddings()
+    plain = head.weight.detach().clone()
+
+    head.weight = torch.nn.Parameter(distribute_tensor(plain, one_rank_group, [Replicate()]))
+    actual_loss, actual_grads = loss_and_gradients(model, model_loss(batch))
+    assert_loss_close(actual_loss, expected_loss)
+    actual_grads["lm_head.weight"] = actual_grads["lm_head.weight"].to_local()
+    assert_gradients_close(actual_grads, expected_grads, rtol=1e-6)
+
+    sharded = distribute_tensor(plain, one_rank_group, [Shard(0)])
+    head.weight = torch.nn.Parameter(sharded, requires_grad=False)
+    assert_loss_close(model(**batch, use_cache=False).loss, expected_loss)
+    head.weight = torch.nn.Parameter(sharded)
+    with pytest.raises(ValueError, match="still sharded .* fused_linear=False"):
+        model(**batch, use_cache=False)
+
+
 def test_remove_restores_the_model_exactly():
     model = tiny_model("llama", 64)
     cls_forward, hooks = type(model).forward, dict(model._forward_pre_hooks)

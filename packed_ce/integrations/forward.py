@@ -94,6 +94,32 @@ def refuse_bypass(model: nn.Module, decoder: nn.Module, args: tuple, kwargs: dic
     )
 
 
+def _plain(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """``tensor`` as the plain tensor the kernels take, where FSDP2 hands over a ``DTensor``.
+
+    Under FSDP2 around a PEFT model, the head's gathered weight is a ``DTensor`` whose every
+    placement is ``Replicate`` while the hidden states are plain (the adapters' dtype casts drop
+    the ``DTensor``): the mixed matmul raised "got mixed torch.Tensor and DTensor". Its local
+    tensor is then the whole tensor, and ``to_local`` passes the gradient back unchanged. A frozen
+    weight still sharded is gathered whole (no gradient to return); a trainable one is refused:
+    its gradient would skip FSDP's reduce-scatter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if all(placement.is_replicate() for placement in tensor.placements):
+        return tensor.to_local()
+    if not tensor.requires_grad:
+        return tensor.full_tensor()
+    raise ValueError(
+        f"fused_linear=True: the output head's {name} is still sharded (placements "
+        f"{tensor.placements}) when the loss reads it, and its gradient would not be reduced "
+        "by FSDP: keep the head gathered through the forward (FSDP2: shard it in one group with "
+        "the final norm, as accelerate does), or apply_packed_loss(model, fused_linear=False)"
+    )
+
+
 def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -113,10 +139,10 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
         labels, hidden.device, shift_labels, kwargs.get("num_items_in_batch"), kwargs
     )
     result = fused_linear_cross_entropy(
-        hidden,
-        head.weight,
+        _plain(hidden, "hidden states"),
+        _plain(head.weight, "weight"),
         targets,
-        bias=head.bias,
+        bias=_plain(head.bias, "bias"),
         softcap=getattr(model.config, "final_logit_softcapping", None),
         return_token_stats=want_stats,
         return_seq_losses=want_seq,
