@@ -283,3 +283,19 @@ def test_weights_keep_their_dtype_where_deepspeed_casts_the_batch(engine_dtype, 
     assert prepared["input_ids"].dtype == torch.int64
     torch.testing.assert_close(prepared["seq_weights"], weights, rtol=0, atol=0)
     assert batch["seq_weights"] is weights  # the caller's batch is left as it was
+
+
+def test_context_parallel_step_refuses_an_unsharded_row(tmp_path, monkeypatch):
+    """With context parallelism on, a model call whose row did not pass through
+    ``_prepare_context_parallel_inputs`` (a Trainer that stopped calling it) raises instead of
+    training every rank on the whole row; after the override ran, the call goes through."""
+    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
+    trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
+    batch = PackedCollator()(synthetic_conversations([9, 7], VOCAB))
+    monkeypatch.setattr(trainer, "_context_parallel", (0, 1))  # a group of one: the row unchanged
+    with pytest.raises(RuntimeError, match="did not call Trainer._prepare_context_parallel_inputs"):
+        trainer.compute_loss(model, batch)
+    _, sharded = trainer._prepare_context_parallel_inputs(model, batch)
+    assert torch.isfinite(trainer.compute_loss(model, sharded))
+    with pytest.raises(RuntimeError, match="did not call"):  # the flag serves one call
+        trainer.compute_loss(model, batch)

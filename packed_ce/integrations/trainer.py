@@ -25,6 +25,7 @@ import contextlib
 import inspect
 
 import torch
+import transformers
 from transformers import Trainer, TrainerCallback
 
 from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, source_names
@@ -35,7 +36,7 @@ from .context_parallel import context_parallel_of, enable_context_parallel, shar
 from .data_checks import check_datasets
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
-from .seams import RefuseOtherTrainers
+from .seams import CHECKED, RefuseOtherTrainers
 
 # Batch keys of floating tensors that are part of the objective, not activations: under
 # DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
@@ -80,6 +81,7 @@ class PackedNormaliserMixin:
     """
 
     _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
+    _row_sharded = False  # set by _prepare_context_parallel_inputs, taken by the next model call
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
 
@@ -141,6 +143,7 @@ class PackedNormaliserMixin:
             return super()._prepare_context_parallel_inputs(model, inputs)
         rank, size = self._context_parallel
         loss = packed_loss_of(self.model)
+        self._row_sharded = True
         return contextlib.nullcontext, shard_for_rank(
             inputs, rank, size, ignore_index=loss.ignore_index
         )
@@ -180,6 +183,15 @@ class PackedNormaliserMixin:
         Returns:
             ``(loss, outputs)``.
         """
+        if self._context_parallel is not None and not self._row_sharded:
+            # a Trainer that no longer calls the override would feed every rank the whole row
+            raise RuntimeError(
+                f"context parallelism: this transformers {transformers.__version__} Trainer did "
+                "not call Trainer._prepare_context_parallel_inputs before the model call, so the "
+                "row was not sharded; packed-ce is tested with "
+                f"{CHECKED} (packed_ce/integrations/seams.py)"
+            )
+        self._row_sharded = False
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
