@@ -93,6 +93,8 @@ import dataclasses
 import gc
 import hashlib
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -235,10 +237,16 @@ def quantized_checkpoint(model: str, device: torch.device) -> Path:
     torch.manual_seed(0)
     with torch.device(device):
         weights = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
-    partial = folder.with_name(f"{folder.name}.partial")
-    weights.save_pretrained(partial)  # then renamed: a folder under the final name is whole
+    # written under a name of this process's own, then renamed: a folder under the final name
+    # is whole (two benchmarks on two GPUs once wrote into one partial folder, and the second
+    # rename found it gone)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    weights.save_pretrained(partial)
     del weights
-    partial.rename(folder)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished the same weights first: keep its folder
+        shutil.rmtree(partial)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return folder

@@ -7,9 +7,8 @@
 # Writes into DIR one log per set-up, named <set-up>_<GPUs>gpu_<card>.log (the names
 # benchmarks/results/ keeps them under):
 #   qlora_1gpu_<card>.log          tests/test_qlora.py on one GPU: PackedSFTTrainer on a 4-bit base
-#   lora_fsdp2_2gpu_<card>.log     tests/test_distributed.py, LoRA under DDP and FSDP2 (and both
-#                                  trainers under FSDP2 again)
-#   zero3_2gpu_<card>.log          tests/test_distributed.py, both trainers under DeepSpeed ZeRO-3
+#   distributed_2gpu_<card>.log    tests/test_distributed.py: both trainers and LoRA under DDP,
+#                                  FSDP2 and DeepSpeed ZeRO-3 (LoRA: DDP and FSDP2)
 #   trl_steps_1b_qlora_<card>.log  bench_trl.py --adapter qlora, 1B, packed then stock, then reversed
 #   trl_steps_8b_qlora_<card>.log  the same at 8B (gradient checkpointing, fewer steps)
 # and the benchmarks' JSON and tables in DIR/trl_qlora_results.tgz. The tests run first, on both
@@ -30,9 +29,8 @@ pytest=(python3 -m pytest -q -p no:cacheprovider -m cuda -s)
 # the QLoRA test on GPU 0 beside the two-GPU tests (tiny models: neither slows the other)
 CUDA_VISIBLE_DEVICES=0 timeout 200 "${pytest[@]}" tests/test_qlora.py \
     >"$out/qlora_1gpu_$card.log" 2>&1 &
-timeout 120 "${pytest[@]}" tests/test_distributed.py -k "fsdp2 or lora" \
-    >"$out/lora_fsdp2_2gpu_$card.log" 2>&1
-timeout 120 "${pytest[@]}" tests/test_distributed.py -k zero3 >"$out/zero3_2gpu_$card.log" 2>&1
+timeout 240 "${pytest[@]}" -rA --tb=short tests/test_distributed.py \
+    >"$out/distributed_2gpu_$card.log" 2>&1
 wait
 
 # whole trl steps, packed against stock, in both orders (one invocation each). The 4-bit runs

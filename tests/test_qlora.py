@@ -17,9 +17,11 @@ On the CPU the two differ by 1.5e-4. The test also asserts that the token mean o
 is more than ``SEPARATION`` times the tolerance away (4e-2 here: weights of standard deviation
 0.2 make the per-token losses uneven), so that a trainer on the wrong objective cannot pass. The
 adapter's gradients of the step (bf16 parameters, as trl keeps a quantized model's adapter) are
-compared with the reference's within ``BF16_GRAD_RTOL`` = 0.1 norm-wise: sums over every token
-in bf16 differ by 2e-2 to 3e-2 (CPU), and the check is there for a gradient path that is lost
-(an error of order 1), which the loss alone would not show.
+each compared with a float32 run of the same 4-bit weights: within twice the bf16 reference's own
+error plus ``BF16_GRAD_SLACK`` = 1e-2, norm-wise. Measured: 2.8e-2 against 2.9e-2 (CPU), 3.6e-2
+against 3.5e-2 (H100). Compared with the bf16 reference directly, the attention's q/k adapter
+gradients differed by 17% on an H100 (2-3e-2 on a CPU) while the trainer's kept within that
+bound of float32; a gradient path that is lost gives an error of order 1.
 
 Runs on CPU where bitsandbytes is installed (its CPU kernels) and, marked ``cuda``, on a GPU.
 """
@@ -51,7 +53,7 @@ from integration_utils import (  # noqa: E402
 
 VOCAB = 256
 BF16_RTOL = 5e-3
-BF16_GRAD_RTOL = 0.1
+BF16_GRAD_SLACK = 1e-2
 SEPARATION = 3.0
 # hidden and intermediate sizes multiples of nf4's block of 64 values; initializer_range 0.2 (std
 # of every weight) spreads the per-token losses, so that the two means of a batch differ
@@ -75,7 +77,8 @@ def quantized_model(device: str, folder, quantized_head: bool = False):
     head too with ``quantized_head`` (bitsandbytes leaves it alone unless told otherwise)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    tiny_causal_lm(VOCAB, **FIELDS).save_pretrained(folder)
+    if not (folder / "config.json").exists():  # the first call saves, later calls load it again
+        tiny_causal_lm(VOCAB, **FIELDS).save_pretrained(folder)
     skip = {"llm_int8_skip_modules": []} if quantized_head else {}  # [] leaves out nothing
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
@@ -107,6 +110,26 @@ class FirstStepGradients(TrainerCallback):
                 for name, p in model.named_parameters()
                 if p.requires_grad
             }
+
+
+def float32_gradients(device: str, folder, quantized_head: bool, adapter: dict, conversations) -> dict:
+    """The adapter's gradients of the per-conversation mean in float32: the saved model loaded
+    again in 4 bits (the same nf4 weights), the adapter set to ``adapter``, the 4-bit layers
+    computing in float32 and every other parameter cast to float32, no autocast. (Not a
+    ``copy.deepcopy`` of the trained model: a forward wrapper the trainer installs keeps the
+    original model's bound method, so the copy's loss would run the original's adapter.)"""
+    from peft import get_peft_model
+
+    exact = get_peft_model(quantized_model(device, folder, quantized_head), lora_config())
+    missing = exact.load_state_dict({n: t.float() for n, t in adapter.items()}, strict=False)
+    assert not missing.unexpected_keys and not any("lora_" in n for n in missing.missing_keys)
+    for module in exact.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.compute_dtype = torch.float32
+    exact.float()  # the 4-bit weights are integers: float() leaves them
+    exact.train()
+    one_at_a_time(exact, conversations).backward()
+    return {n: p.grad.float() for n, p in exact.named_parameters() if p.requires_grad}
 
 
 def token_mean(model, conversations: list[dict]) -> torch.Tensor:
@@ -161,6 +184,7 @@ def test_qlora_first_step_is_the_per_conversation_mean(device, quantized_head, t
     # in training mode, as the trainer runs it (on a CPU, bitsandbytes repacks a 4-bit weight for
     # its inference kernel on the first no-grad call in eval mode, which has no backward)
     trained.train()
+    exact = float32_gradients(device, tmp_path / "base", quantized_head, adapter, conversations)
     with trainer.accelerator.autocast():  # the trainer's bf16 autocast
         expected = one_at_a_time(trained, conversations)
         expected.backward()
@@ -176,14 +200,20 @@ def test_qlora_first_step_is_the_per_conversation_mean(device, quantized_head, t
     expected, other = expected.detach().float().cpu(), other.cpu()
     error = relative_error(logged, expected)
     separation = relative_error(other, expected)
-    worst = max(relative_error(step_grads.grads[n], g) for n, g in expected_grads.items())
+    # each adapter gradient against float32: the trainer's error within twice the bf16
+    # reference's own, plus BF16_GRAD_SLACK
+    errors = {n: (relative_error(step_grads.grads[n], g), relative_error(expected_grads[n], g))
+              for n, g in exact.items()}  # fmt: skip
+    name = max(errors, key=lambda n: errors[n][0] - 2 * errors[n][1])
+    worst = errors[name]
     print(f"{device}, {'4-bit' if quantized_head else 'bf16'} head: first-step loss "
           f"{logged.item():.5f}, per-conversation mean {expected.item():.5f} (relative "
           f"{error:.1e}), token mean {other.item():.5f} (relative {separation:.1e}); worst "
-          f"adapter gradient {worst:.1e}")  # fmt: skip
+          f"adapter gradient against float32 {worst[0]:.1e}, the bf16 reference's "
+          f"{worst[1]:.1e} ({name})")  # fmt: skip
     assert error <= BF16_RTOL
     assert separation > SEPARATION * BF16_RTOL  # the check tells the two objectives apart
-    assert_gradients_close(step_grads.grads, expected_grads, rtol=BF16_GRAD_RTOL)
+    assert worst[0] <= 2 * worst[1] + BF16_GRAD_SLACK, (name, worst)
     # the step trained the adapter
     moved = [n for n, p in trained.named_parameters() if p.requires_grad and not torch.equal(p, adapter[n])]
     assert moved == list(adapter)
