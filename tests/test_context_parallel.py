@@ -323,10 +323,13 @@ def allow_cpu_processes(parallelism_config_class) -> None:
     parallelism_config_class._validate_accelerator = as_on_gpus
 
 
-def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str, backend: str = "gloo") -> None:
-    """One optimiser step over every conversation, the row shared by two ranks."""
+def trainer_worker(
+    rank: int, port: int, out_dir: str, trainer_name: str, backend: str = "gloo", world: int = WORLD
+) -> None:
+    """One optimiser step over every conversation, each row shared by two ranks; with ``world``
+    4, two data-parallel groups of two ranks each train half of the conversations."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
@@ -338,16 +341,17 @@ def trainer_worker(rank: int, port: int, out_dir: str, trainer_name: str, backen
         torch.cuda.set_device(rank)
     else:
         allow_cpu_processes(ParallelismConfig)
-    dist.init_process_group(backend, rank=rank, world_size=WORLD)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         data = Dataset.from_list(train_conversations())
         model = tiny_model("llama", VOCAB)
         common = dict(
             max_steps=1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-            optim="sgd", per_device_train_batch_size=len(TRAIN_LENGTHS), logging_steps=1,
+            optim="sgd", per_device_train_batch_size=len(TRAIN_LENGTHS) * WORLD // world,
+            logging_steps=1,
             report_to=[], save_strategy="no", use_cpu=not on_gpus, ddp_backend=backend, bf16=False,
             dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
-            parallelism_config=ParallelismConfig(cp_size=WORLD),
+            parallelism_config=ParallelismConfig(cp_size=WORLD, dp_shard_size=world // WORLD),
         )
         if on_gpus:
             # accelerate's context parallelism on GPUs needs FSDP2 (it shards the model over the
@@ -409,20 +413,30 @@ TWO_GPUS = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=TWO_GPUS)])
+@pytest.mark.parametrize(
+    "backend, world",
+    [
+        pytest.param("gloo", WORLD, id="gloo"),
+        pytest.param("gloo", 2 * WORLD, id="gloo-data-parallel"),
+        pytest.param("nccl", WORLD, id="nccl", marks=TWO_GPUS),
+    ],
+)
 @pytest.mark.parametrize("trainer_name", ["PackedTrainer", "PackedSFTTrainer"])
-def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend):
+def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, world):
     """One SGD step of either trainer with ``ParallelismConfig(cp_size=2)`` equals one process
     stepping on every conversation alone (float32: the parameters move by at most 1e-4 norm-wise
-    apart), and the logged ``loss/<source>`` are the per-source means (1e-5 relative)."""
+    apart), and the logged ``loss/<source>`` are the per-source means (1e-5 relative). On four
+    processes the other dimension is data parallel (``dp_shard_size=2``): two groups of two
+    ranks, each group sharing a row of half the conversations."""
     if trainer_name == "PackedSFTTrainer":
         pytest.importorskip("trl")
     mp.spawn(
-        trainer_worker, args=(free_port(), str(tmp_path), trainer_name, backend), nprocs=WORLD, join=True
+        trainer_worker, args=(free_port(), str(tmp_path), trainer_name, backend, world),
+        nprocs=world, join=True,
     )
     initial = {name: p.detach() for name, p in tiny_model("llama", VOCAB).named_parameters()}
     expected, by_source = reference_step()
-    for rank in range(WORLD):
+    for rank in range(world):
         result = torch.load(tmp_path / f"{trainer_name}-rank{rank}.pt")
         assert_gradients_close(
             {k: result["params"][k] - initial[k] for k in initial},
