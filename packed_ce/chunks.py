@@ -119,16 +119,16 @@ class _ChunkLoss:
 
 
 def _triton_chunk_loss(options: LossOptions) -> _ChunkLoss:
-    from .kernels.cross_entropy import launch_backward, launch_forward, scale_in_place
+    from .kernels.cross_entropy import launch, scale_in_place
 
     floats = options.kernel_floats
 
     def forward(z, targets, coef, write_grad, stats):
         # the kernel reads each element of a row before writing its gradient: in place is safe
-        return launch_forward(z, targets, coef, z if write_grad else None, floats, stats=stats)
+        return launch(z, targets, coef, floats, grad=z if write_grad else None, stats=stats)
 
     def backward(z, targets, coef, lse, grad_rows):
-        launch_backward(z, z, targets, coef, lse, grad_rows.float(), floats)
+        launch(z, targets, coef, floats, lse=lse, grad=z, grad_rows=grad_rows.float())
 
     return _ChunkLoss(forward=forward, backward=backward, scale=scale_in_place)
 

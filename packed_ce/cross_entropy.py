@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -9,7 +11,7 @@ from .options import Boundaries, LossOptions, changed_fields, split_keywords
 from .pipeline import run_loss
 from .reference import loss_from_targets, token_stats_rows
 from .runtime import resolve_backend
-from .validation import check_tensor
+from .validation import check_tensor, checked_boundaries
 
 
 def cross_entropy(
@@ -65,14 +67,17 @@ def cross_entropy(
         tensor(1.3863)
     """
     options, _ = split_keywords(keywords, options)
-    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
-    return _cross_entropy(logits, labels, boundaries, options)
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
+    )
+    return cross_entropy_call(logits, labels, boundaries, options)
 
 
-def _cross_entropy(
+def cross_entropy_call(
     logits: torch.Tensor, labels: torch.Tensor, boundaries: Boundaries, options: LossOptions
 ):
-    """:func:`cross_entropy` once its keywords are objects (the modules call it directly)."""
+    """:func:`cross_entropy` once its keywords are objects (its module and the causal-LM loss
+    call it directly)."""
     check_tensor("logits", logits)
     backend = resolve_backend(options.backend, logits)
     if options.inplace_backward and not logits.is_contiguous():
@@ -83,28 +88,13 @@ def _cross_entropy(
             f"be contiguous (got shape {tuple(logits.shape)}, strides {logits.stride()}): "
             "pass logits.contiguous() or inplace_backward=False"
         )
-
-    def run(prepared, stats):
-        if backend == "torch":
-            if options.return_token_stats:  # its own pass over (N, V): only when asked for
-                flat = logits.reshape(-1, logits.shape[-1])
-                stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
-            return loss_from_targets(logits, prepared, options, stats)
+    if backend == "torch":
+        run = functools.partial(_torch_rows_loss, logits, options)
+    else:
         from .kernels.cross_entropy import triton_cross_entropy
 
-        rows = logits.reshape(-1, logits.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return triton_cross_entropy(
-            rows,
-            prepared.targets,
-            prepared.coef,
-            options.kernel_floats,
-            reduce=options.reduction != "none",
-            inplace_backward=options.inplace_backward,
-            stats=stats,
-        )
-
+        # a partial, not a closure: run_loss calls the kernel's entry point directly
+        run = functools.partial(triton_cross_entropy, logits, options)
     return run_loss(
         run,
         labels,
@@ -115,6 +105,14 @@ def _cross_entropy(
         dtype=logits.dtype,
         device=logits.device,
     )
+
+
+def _torch_rows_loss(logits: torch.Tensor, options: LossOptions, prepared, stats):
+    """The ``run`` of :func:`packed_ce.pipeline.run_loss` on the PyTorch reference."""
+    if options.return_token_stats:  # its own pass over (N, V): only when asked for
+        flat = logits.reshape(-1, logits.shape[-1])
+        stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
+    return loss_from_targets(logits, prepared, options, stats)
 
 
 class PackedCrossEntropyLoss(nn.Module):
@@ -149,10 +147,10 @@ class PackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        boundaries = Boundaries(
+        boundaries = checked_boundaries(
             cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
         )
-        return _cross_entropy(logits, labels, boundaries, self.options)
+        return cross_entropy_call(logits, labels, boundaries, self.options)
 
     def extra_repr(self) -> str:
         return changed_fields(self.options)

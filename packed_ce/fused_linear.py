@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from .chunks import chunked_loss
-from .options import Boundaries, ChunkOptions, LossOptions, changed_fields, split_keywords
+from .options import ChunkOptions, LossOptions, changed_fields, split_keywords
 from .pipeline import run_loss
 from .runtime import resolve_backend
-from .validation import allowed_dtypes, check_linear, check_tensor
+from .validation import allowed_dtypes, check_linear, check_tensor, checked_boundaries
 
 
 def _autocast(hidden, weight, bias):
@@ -102,13 +102,15 @@ def fused_linear_cross_entropy(
     options, chunk_options = split_keywords(
         keywords, options, chunked=True, chunk_options=chunk_options
     )
-    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
-    return _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options)
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
+    )
+    return fused_linear_call(hidden, weight, labels, bias, boundaries, options, chunk_options)
 
 
-def _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options):
-    """:func:`fused_linear_cross_entropy` once its keywords are objects (the module calls it
-    directly)."""
+def fused_linear_call(hidden, weight, labels, bias, boundaries, options, chunk_options):
+    """:func:`fused_linear_cross_entropy` once its keywords are objects (its module and the fused
+    forward of :func:`packed_ce.integrations.apply_packed_loss` call it directly)."""
     check_tensor("hidden", hidden)
     check_tensor("weight", weight)
     check_tensor("bias", bias, optional=True)
@@ -172,10 +174,10 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        boundaries = Boundaries(
+        boundaries = checked_boundaries(
             cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
         )
-        return _fused_linear(
+        return fused_linear_call(
             hidden, weight, labels, bias, boundaries, self.options, self.chunk_options
         )
 

@@ -19,7 +19,7 @@ import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
 from .records import own_targets
-from .validation import check_labels, check_tensor
+from .validation import check_labels, check_tensor, checked_boundaries
 
 
 @dataclass
@@ -243,11 +243,8 @@ def count_normaliser(
     """
     check_tensor("labels", labels)
     options, _ = split_keywords({}, options)
-    boundaries = Boundaries(
-        cu_seqlens=cu_seqlens,
-        position_ids=position_ids,
-        seq_targets=seq_targets,
-        seq_weights=seq_weights,
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, seq_targets=seq_targets, seq_weights=seq_weights
     )
     # checks seq_targets / seq_weights too (their rules in validation.TENSOR_RULES)
     check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")

@@ -42,6 +42,21 @@ def check_tensor(name: str, value, *, optional: bool = False) -> None:
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
 
 
+def checked_boundaries(
+    cu_seqlens=None, position_ids=None, num_items_in_batch=None, seq_targets=None, seq_weights=None
+) -> Boundaries:
+    """The call's :class:`Boundaries`, each tensor argument type-checked where it enters (the
+    public functions and modules; a model call's guard checks what the model reads first)."""
+    tensors = dict(
+        cu_seqlens=cu_seqlens, position_ids=position_ids, seq_targets=seq_targets,
+        seq_weights=seq_weights,
+    )
+    for name, value in tensors.items():
+        if value is not None:
+            check_tensor(name, value)
+    return Boundaries(num_items_in_batch=num_items_in_batch, **tensors)
+
+
 # --- metadata: one table, then the rules that relate arguments -------------------------------
 
 
@@ -135,7 +150,8 @@ def check_labels(
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer, already known to be a tensor (each caller reads
             its shape or device first, after :func:`check_tensor`).
-        boundaries: the call's :class:`packed_ce.options.Boundaries`.
+        boundaries: the call's :class:`packed_ce.options.Boundaries`, whose tensors were
+            type-checked where they entered (:func:`checked_boundaries`).
         is_packed: the option of that name (it needs boundaries).
         device: where the labels and boundaries must be (the logits'), called ``name``.
     """
@@ -155,8 +171,6 @@ def check_labels(
             "is_packed=True needs the sequence boundaries: pass cu_seqlens or position_ids"
         )
     for argument in ("cu_seqlens", "position_ids", "seq_targets", "seq_weights"):
-        if tensors[argument] is not None:
-            check_tensor(argument, tensors[argument])
         _check_rule(argument, tensors, device=device, device_name=name)
     if cu_seqlens is not None and cu_seqlens.numel() == 1 and labels.numel() > 0:
         raise ValueError(

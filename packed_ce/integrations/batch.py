@@ -17,7 +17,7 @@ from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, S
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .guards import POSITION_IDS_KEY
+from .guards import BOUNDARIES_KEY
 
 
 def sequence_boundaries(
@@ -32,16 +32,15 @@ def sequence_boundaries(
 
     Returns:
         ``{"cu_seqlens": ...}`` or ``{"position_ids": ...}``, keywords for
-        :func:`packed_ce.cross_entropy`. Taken from ``cu_seqlens``, else ``cu_seq_lens_q``, else
-        ``position_ids`` (or what the forward of :func:`apply_packed_loss` passed on),
+        :func:`packed_ce.cross_entropy`. Taken from ``cu_seqlens``, else what the forward of
+        :func:`apply_packed_loss` handed on, else ``cu_seq_lens_q``, else ``position_ids``,
         else one sequence per row of ``labels``: ``cu_seqlens = [0, T, 2T, ..., B*T]``. With
         the batch's ``cu_seqlens``, its ``seq_targets`` (with ``is_packed``) and ``seq_weights``
         come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
         conversation split across rows, micro-batches or ranks keeps its weight.
 
     A value that is not a tensor (a list, say) is passed on as it is: the loss refuses it, naming
-    its argument, with the rest of its metadata (:func:`packed_ce.validation.check_labels`), so
-    each of these tensors is type-checked once.
+    its argument (:func:`packed_ce.validation.checked_boundaries`).
     """
 
     def on_device(value):  # anything but a tensor is refused by name where the loss checks it
@@ -51,11 +50,12 @@ def sequence_boundaries(
         keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
         found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
         return {CU_SEQLENS: on_device(batch[CU_SEQLENS]), **found}
+    if batch.get(BOUNDARIES_KEY) is not None:
+        return {key: on_device(value) for key, value in batch[BOUNDARIES_KEY].items()}
     if batch.get(CU_SEQ_LENS_Q) is not None:
         return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
-    for key in (POSITION_IDS_KEY, POSITION_IDS):
-        if batch.get(key) is not None:
-            return {POSITION_IDS: on_device(batch[key])}
+    if batch.get(POSITION_IDS) is not None:
+        return {POSITION_IDS: on_device(batch[POSITION_IDS])}
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0
     return {CU_SEQLENS: torch.arange(rows + 1, device=labels.device) * row_length}

@@ -97,7 +97,8 @@ def refuse_bypass(model: nn.Module, decoder: nn.Module, args: tuple, kwargs: dic
 def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from ..fused_linear import fused_linear_cross_entropy
+    from ..fused_linear import fused_linear_call
+    from ..options import split_keywords
 
     kwargs = dict(kwargs)
     labels = kwargs.pop(LABELS)
@@ -109,20 +110,17 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     outputs = model.get_decoder()(**kwargs)
     hidden = outputs[0]
     head = model.get_output_embeddings()
-    targets, keywords = installation.loss.loss_keywords(
+    targets, boundaries, options = installation.loss.loss_inputs(
         labels, hidden.device, shift_labels, kwargs.get("num_items_in_batch"), kwargs
     )
-    result = fused_linear_cross_entropy(
-        hidden,
-        head.weight,
-        targets,
-        bias=head.bias,
+    keywords = dict(
         softcap=getattr(model.config, "final_logit_softcapping", None),
         return_token_stats=want_stats,
         return_seq_losses=want_seq,
-        **keywords,
         **installation.fused_options,
     )
+    options, chunk_options = split_keywords(keywords, options, chunked=True)
+    result = fused_linear_call(hidden, head.weight, targets, head.bias, boundaries, options, chunk_options)
     loss = installation.loss.keep_metrics(result, want_stats, want_seq)
     output = CausalLMOutputWithPast(
         loss=loss,

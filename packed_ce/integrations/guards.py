@@ -9,15 +9,16 @@ import torch
 
 from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
 
-# The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
-# any extra keyword it also reaches the attention functions, which ignore keywords they do not
-# know.
-POSITION_IDS_KEY = "packed_ce_position_ids"
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
-# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter. The
-# loss's own arguments (cu_seqlens, seq_targets, seq_weights, and these where the loss reads them)
-# are type-checked once, with their other metadata, by packed_ce.validation.check_labels.
+# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
 MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
+# Under this keyword the installed forward hands the loss its boundaries from MODEL_TENSORS when
+# the batch has no cu_seqlens, already type-checked: ``{"cu_seqlens": cu_seq_lens_q}`` or
+# ``{"position_ids": position_ids}`` (a causal LM's forward consumes position_ids and does not pass
+# them on). The loss type-checks only what it reads from elsewhere (cu_seqlens, seq_targets,
+# seq_weights), so each per-call tensor is checked once. Like any extra keyword it also reaches
+# the attention functions, which ignore keywords they do not know.
+BOUNDARIES_KEY = "packed_ce_boundaries"
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
@@ -43,8 +44,8 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
       the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
     - A packed batch (see :func:`_exact_packed_call`) runs without a KV cache and without an
       all-ones ``attention_mask``, either of which would make its sequences attend to each other.
-    - ``position_ids`` are handed to the loss when the batch has no ``cu_seqlens``: a causal LM's
-      forward consumes them and does not pass them on.
+    - without ``cu_seqlens``, ``cu_seq_lens_q`` or else ``position_ids`` are handed to the loss
+      under :data:`BOUNDARIES_KEY`.
 
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
@@ -58,9 +59,10 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
             "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
         )
     kwargs = _exact_packed_call(args, kwargs)
-    if kwargs.get(LABELS) is not None and kwargs.get(POSITION_IDS) is not None:
-        if kwargs.get(CU_SEQLENS) is None and kwargs.get(CU_SEQ_LENS_Q) is None:
-            kwargs = {**kwargs, POSITION_IDS_KEY: kwargs[POSITION_IDS]}
+    if kwargs.get(LABELS) is not None and kwargs.get(CU_SEQLENS) is None:
+        for key, argument in ((CU_SEQ_LENS_Q, CU_SEQLENS), (POSITION_IDS, POSITION_IDS)):
+            if kwargs.get(key) is not None:
+                return {**kwargs, BOUNDARIES_KEY: {argument: kwargs[key]}}
     return kwargs
 
 

@@ -8,14 +8,18 @@ from typing import Any
 
 import torch
 
-from ..cross_entropy import cross_entropy
-from ..options import LossOptions, changed_fields
+from collators.columns import CU_SEQLENS
+
+from ..cross_entropy import cross_entropy_call
+from ..options import Boundaries, LossOptions, changed_fields
 from ..stats import SequenceLosses, TokenStats
+from ..validation import checked_boundaries
 from .batch import sequence_boundaries
+from .guards import BOUNDARIES_KEY
 
 # With this keyword set to True in a model call, the packed loss (on the logits, or the fused
 # forward's) also computes the targets' TokenStats in its own pass and keeps them on the model's
-# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like POSITION_IDS_KEY it also
+# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like BOUNDARIES_KEY it also
 # reaches the attention functions, which ignore keywords they do not know.
 TOKEN_STATS_KEY = "packed_ce_token_stats"
 # The same for the call's SequenceLosses (PackedCausalLMLoss.take_seq_losses()): each sequence's
@@ -120,30 +124,33 @@ class PackedCausalLMLoss:
             self.seq_losses = extra.pop(0)
         return loss
 
-    def loss_keywords(
+    def loss_inputs(
         self,
         labels: torch.Tensor,
         device: torch.device,
         shift_labels: torch.Tensor | None,
         num_items_in_batch: int | torch.Tensor | None,
         kwargs: Mapping[str, Any],
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Targets and keywords of :func:`packed_ce.cross_entropy` for one model call.
+        **changes,
+    ) -> tuple[torch.Tensor, Boundaries, LossOptions]:
+        """Targets, boundaries and options of the packed loss for one model call.
 
         Returns:
-            ``(targets, keywords)``: ``labels`` (or ``shift_labels``) on ``device`` and the keyword
-            arguments that go with them.
+            ``(targets, boundaries, options)``: ``labels`` (or ``shift_labels``) on ``device``, the
+            boundaries read from ``kwargs`` (:func:`sequence_boundaries`), type-checked unless
+            the installed forward's guard checked them, and this loss's options with ``shift``
+            and ``changes``.
         """
         shift = shift_labels is None
         targets = (labels if shift else shift_labels).to(device)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(device)
-        keywords = dict(
-            sequence_boundaries(targets, kwargs, is_packed=self.is_packed),
-            num_items_in_batch=num_items_in_batch,
-            options=dataclasses.replace(self.options, shift=shift),
+        found = sequence_boundaries(targets, kwargs, is_packed=self.is_packed)
+        checked = kwargs.get(CU_SEQLENS) is None and kwargs.get(BOUNDARIES_KEY) is not None
+        boundaries = (Boundaries if checked else checked_boundaries)(
+            num_items_in_batch=num_items_in_batch, **found
         )
-        return targets, keywords
+        return targets, boundaries, dataclasses.replace(self.options, shift=shift, **changes)
 
     def __call__(
         self,
@@ -164,19 +171,19 @@ class PackedCausalLMLoss:
                 :func:`count_num_items`); the local count when None.
             shift_labels: ``(B, T)`` labels already shifted (target of ``logits[t]``), or None.
             **kwargs: the model call's extra keywords, read for ``cu_seqlens``,
-                ``cu_seq_lens_q``, ``packed_ce_position_ids`` and ``packed_ce_token_stats``;
+                ``cu_seq_lens_q``, ``position_ids``, ``packed_ce_boundaries``,
+                ``packed_ce_token_stats`` and ``packed_ce_seq_losses``;
                 the rest is ignored.
 
         Returns:
             0-d float32 loss.
         """
-        targets, keywords = self.loss_keywords(
-            labels, logits.device, shift_labels, num_items_in_batch, kwargs
-        )
         want_stats, want_seq = bool(kwargs.get(TOKEN_STATS_KEY)), bool(kwargs.get(SEQ_LOSSES_KEY))
-        result = cross_entropy(
-            logits, targets, return_token_stats=want_stats, return_seq_losses=want_seq, **keywords
+        targets, boundaries, options = self.loss_inputs(
+            labels, logits.device, shift_labels, num_items_in_batch, kwargs,
+            return_token_stats=want_stats, return_seq_losses=want_seq,
         )
+        result = cross_entropy_call(logits, targets, boundaries, options)
         return self.keep_metrics(result, want_stats, want_seq)
 
     def __repr__(self) -> str:

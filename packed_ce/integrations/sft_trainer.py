@@ -185,12 +185,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step
-        (:meth:`PackedNormaliserMixin._packed_step`); logs trl's metrics from the same call."""
+        (:meth:`PackedNormaliserMixin.compute_loss`); logs trl's metrics from the same call."""
         mode = "train" if self.model.training else "eval"
         packed_loss = installation_of(self.model).loss
         packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
-        loss, outputs = self._packed_step(
-            model, inputs, num_items_in_batch, **{TOKEN_STATS_KEY: True}
+        loss, outputs = super().compute_loss(
+            model, {**inputs, TOKEN_STATS_KEY: True}, True, num_items_in_batch
         )
         stats = packed_loss.take_token_stats()
         if stats is None:

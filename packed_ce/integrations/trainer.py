@@ -166,7 +166,7 @@ class PackedNormaliserMixin:
             return 0.0
         return float(getattr(config, "router_aux_loss_coef", 0.0))
 
-    def _packed_step(self, model, inputs, num_items_in_batch, **keywords):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model call of one micro-batch and its loss, normalised for the whole step.
 
         ``num_items_in_batch`` (the weight of the conversations with a target over the step's
@@ -178,12 +178,12 @@ class PackedNormaliserMixin:
         step's micro-batches, averaged over processes by the gradient all-reduce).
 
         Returns:
-            ``(loss, outputs)``.
+            ``loss``, or ``(loss, outputs)`` with ``return_outputs``.
         """
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
-        call = {**inputs, "use_cache": False, **keywords}
+        call = {**inputs, "use_cache": False}
         if want_sources:
             call[SEQ_LOSSES_KEY] = True
         if num_items_in_batch is not None:
@@ -205,7 +205,7 @@ class PackedNormaliserMixin:
             loss = loss + coef * aux / steps
         if want_sources:
             self._add_source_losses(packed_loss.take_seq_losses(), sources, num_items_in_batch)
-        return loss, outputs
+        return (loss, outputs) if return_outputs else loss
 
     def _add_source_losses(self, seq_losses, sources: list, num_items_in_batch) -> None:
         """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
@@ -312,11 +312,6 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
         check_datasets(bound.arguments, type(self).__name__, skip_no_assistant)
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._check_packed_setup()
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The packed loss of one micro-batch, normalised for the whole step (:meth:`_packed_step`)."""
-        loss, outputs = self._packed_step(model, inputs, num_items_in_batch)
-        return (loss, outputs) if return_outputs else loss
 
 
 def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:

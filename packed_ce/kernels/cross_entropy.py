@@ -297,95 +297,73 @@ def _scale_rows_kernel(
                 )
 
 
-def _launch(
-    logits, targets, coef, lse, floats, *, grad=None, grad_rows=None, loss=None, z_rows=None,
-    stats=None,
-):
-    """One launch of the row kernel; each optional buffer switches its part on: ``loss`` and
-    ``z_rows`` (then ``lse`` is written, else read), ``grad``, ``grad_rows``, ``stats``."""
-    n, vocab = logits.shape
-    if n == 0:
-        return
-    block, num_warps = _launch_config(vocab, logits.device)
-    label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
-    _cross_entropy_kernel[(n,)](
-        logits_ptr=logits,
-        grad_ptr=grad if grad is not None else logits,  # unused pointers stand in for others
-        targets_ptr=targets,
-        coef_ptr=coef,
-        grad_out_ptr=grad_rows if grad_rows is not None else coef,
-        loss_ptr=loss if loss is not None else lse,
-        z_ptr=z_rows if z_rows is not None else lse,
-        lse_ptr=lse,
-        stats_ptr=stats if stats is not None else lse,
-        V=vocab,
-        stride_logits_n=logits.stride(0),
-        stride_grad_n=grad.stride(0) if grad is not None else 0,
-        stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
-        stride_stats_n=stats.stride(0) if stats is not None else 0,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-        COMPUTE_LOSS=loss is not None,
-        COMPUTE_GRAD=grad is not None,
-        HAS_GRAD_OUT=grad_rows is not None,
-        COMPUTE_STATS=stats is not None,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-
-
-def launch_forward(
+def launch(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
-    grad: torch.Tensor | None,
     floats,
     *,
+    lse: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    grad_rows: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One launch of the row kernel: the forward, or (given ``lse``) the backward.
 
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
-        grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
         floats: ``(label_smoothing, z_loss_scale, softcap)``, a
             :class:`packed_ce.options.KernelFloats` (softcap 0.0: none).
-        stats: ``(N, >=2)`` fp32 buffer with unit column stride, or None: receives each row's
-            softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
-            ``coef`` is 0), from the same read of the logits as the loss.
+        lse: None for the forward; the forward's ``(N,)`` fp32 ``lse`` for the backward.
+        grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None: receives
+            ``dL/dlogits``, for an upstream gradient of 1 in the forward, of ``grad_rows`` in the
+            backward.
+        grad_rows: ``(N,)`` fp32 upstream gradient of the backward, any stride (0 broadcasts).
+        stats: forward only, ``(N, >=2)`` fp32 with unit column stride, or None: receives each
+            row's softmax entropy and 1.0 where the target is a top-1 class (0 where ``coef`` is
+            0), from the same read of the logits as the loss.
 
     Returns:
-        ``(loss, z, lse)``, each ``(N,)`` fp32.
+        The forward's ``(loss, z, lse)``, each ``(N,)`` fp32 (three allocations, not views of one:
+        custom-op outputs must not alias each other); None for the backward.
     """
-    # three allocations, not views of one: custom-op outputs must not alias each other
-    loss, z_rows, lse = (
-        torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3)
-    )
-    _launch(logits, targets, coef, lse, floats, grad=grad, loss=loss, z_rows=z_rows, stats=stats)
-    return loss, z_rows, lse
-
-
-def launch_backward(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    targets: torch.Tensor,
-    coef: torch.Tensor,
-    lse: torch.Tensor,
-    grad_rows: torch.Tensor,
-    floats,
-) -> torch.Tensor:
-    """Writes ``dL/dlogits`` into ``grad`` from the saved ``lse`` and per-row upstream gradients.
-
-    Args:
-        logits, grad: ``(N, V)``, ``grad`` may be ``logits`` itself.
-        targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
-        grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
-        floats: as in :func:`launch_forward`.
-    """
-    _launch(logits, targets, coef, lse, floats, grad=grad, grad_rows=grad_rows)
-    return grad
+    n, vocab = logits.shape
+    forward = lse is None
+    loss = z_rows = None
+    if forward:
+        loss, z_rows, lse = (
+            torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)
+        )
+    if n > 0:
+        block, num_warps = _launch_config(vocab, logits.device)
+        label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
+        _cross_entropy_kernel[(n,)](
+            logits_ptr=logits,
+            grad_ptr=grad if grad is not None else logits,  # unused pointers stand in for others
+            targets_ptr=targets,
+            coef_ptr=coef,
+            grad_out_ptr=grad_rows if grad_rows is not None else coef,
+            loss_ptr=loss if forward else lse,
+            z_ptr=z_rows if forward else lse,
+            lse_ptr=lse,
+            stats_ptr=stats if stats is not None else lse,
+            V=vocab,
+            stride_logits_n=logits.stride(0),
+            stride_grad_n=grad.stride(0) if grad is not None else 0,
+            stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
+            stride_stats_n=stats.stride(0) if stats is not None else 0,
+            label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale,
+            softcap=softcap,
+            COMPUTE_LOSS=forward,
+            COMPUTE_GRAD=grad is not None,
+            HAS_GRAD_OUT=grad_rows is not None,
+            COMPUTE_STATS=stats is not None,
+            BLOCK_V=block,
+            num_warps=num_warps,
+        )
+    return (loss, z_rows, lse) if forward else None
 
 
 def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
@@ -428,7 +406,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         floats,  # packed_ce.options.KernelFloats
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
-        stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch_forward's two columns, loss rows
+        stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch's two columns, loss rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs_grad = ctx.needs_input_grad[0]
         # With one scalar upstream gradient the whole gradient is known up to that scalar now,
@@ -440,7 +418,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, floats, stats=stats)
+        loss, z_rows, lse = launch(logits, targets, coef, floats, grad=grad, stats=stats)
         if stats is not None:
             stats[:, 2] = loss  # the rows' weighted losses, before they are summed
         if fused and inplace_backward:
@@ -475,7 +453,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits if ctx.inplace_backward else torch.empty_like(logits)
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
-            launch_backward(logits, grad, targets, coef, lse, grad_rows, ctx.floats)
+            launch(logits, targets, coef, ctx.floats, lse=lse, grad=grad, grad_rows=grad_rows)
             if ctx.inplace_backward:
                 _mark_overwritten(logits)
         # One gradient per forward input: logits, then none for targets, coef, floats, reduce,
@@ -497,8 +475,8 @@ def cross_entropy_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
-    loss, z_rows, lse = launch_forward(
-        logits, targets, coef, None, floats, stats=stats if compute_stats else None
+    loss, z_rows, lse = launch(
+        logits, targets, coef, floats, stats=stats if compute_stats else None
     )
     return loss, z_rows, lse, stats
 
@@ -520,7 +498,8 @@ def cross_entropy_backward_op(
     floats: list[float],
 ) -> torch.Tensor:
     grad = torch.empty_like(logits)
-    return launch_backward(logits, grad, targets, coef, lse, grad_rows.float(), floats)
+    launch(logits, targets, coef, floats, lse=lse, grad=grad, grad_rows=grad_rows.float())
+    return grad
 
 
 @cross_entropy_backward_op.register_fake
@@ -547,27 +526,27 @@ cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_conte
 
 
 def triton_cross_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    coef: torch.Tensor,
-    floats,
-    *,
-    reduce: bool,
-    inplace_backward: bool,
-    stats: torch.Tensor | None = None,
+    logits: torch.Tensor, options, prepared, stats: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, z)``: 0-d fp32 sums if ``reduce``, else ``(N,)`` fp32 rows (z detached).
+    """``(loss, z)``: 0-d fp32 sums for "mean"/"sum", else ``(N,)`` fp32 rows (z detached).
+
+    The ``run`` of :func:`packed_ce.pipeline.run_loss` (bound to ``logits`` and ``options``).
 
     Args:
-        logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
-        targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
-        floats: a :class:`packed_ce.options.KernelFloats`.
+        logits: ``(N, V)`` or ``(B, T, V)`` fp32/bf16/fp16.
+        options: the call's :class:`packed_ce.LossOptions`.
+        prepared: its :class:`packed_ce.targets.Targets`: ``(N,)`` int64 targets, fp32 coef.
         stats: ``(N, 3)`` fp32 buffer filled with each row's entropy and top-1 hit (see
-            :func:`launch_forward`) and its loss ``coef_t * l_t``, or None.
+            :func:`launch`) and its loss ``coef_t * l_t``, or None.
     """
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    targets, coef, floats = prepared.targets, prepared.coef, options.kernel_floats
+    reduce = options.reduction != "none"
     if torch.compiler.is_compiling():
         loss, z_rows, _, row_stats = cross_entropy_forward_op(
-            logits, targets, coef, list(floats), stats is not None
+            rows, targets, coef, list(floats), stats is not None
         )
         if stats is not None:
             stats[:, :2] = row_stats
@@ -576,5 +555,5 @@ def triton_cross_entropy(
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits, targets, coef, floats, reduce, inplace_backward, stats
+        rows, targets, coef, floats, reduce, options.inplace_backward, stats
     )
