@@ -28,10 +28,8 @@ def cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross entropy that can average per packed sequence instead of per token.
 
-    The loss is ``sum_t w_t l_t`` ("sum"), divided by ``D`` ("mean"), or ``w_t l_t`` per token
-    ("none"): each target's cross entropy ``l_t`` (label smoothing, z-loss, softcap) weighted per
-    token (``is_packed=False``) or per sequence (``is_packed=True``), as docs/reference.md ("The
-    loss, exactly") defines them.
+    ``sum_t w_t l_t`` ("sum"), over ``D`` ("mean"), or ``w_t l_t`` per token ("none"), weighted per
+    token or per sequence (``is_packed``): docs/reference.md, "The loss, exactly".
 
     Args:
         logits: ``(N, V)`` or ``(B, T, V)``, float32/bfloat16/float16 (float64 with
@@ -42,10 +40,9 @@ def cross_entropy(
             wherever ``position_ids[t] != position_ids[t-1] + 1``).
         num_items_in_batch: the global ``D`` (int or 0-d tensor) of an optimiser step that spans
             micro-batches or processes (:func:`packed_ce.count_normaliser`).
-        seq_targets: ``(S,)`` integer, the targets of each sequence's whole conversation
-            (``is_packed=True``). seq_weights: ``(S,)`` float, each conversation's weight, of any scale
-            ("mean" divides them by ``D`` in float64 first). Both
-            aligned with ``cu_seqlens`` (:class:`packed_ce.options.Boundaries`).
+        seq_targets: ``(S,)`` integer, the targets of each sequence's whole conversation.
+            seq_weights: ``(S,)`` float, each conversation's weight, any scale. Both aligned with
+            ``cu_seqlens`` (:class:`packed_ce.options.Boundaries`).
         options, **keywords: a :class:`packed_ce.LossOptions` and/or its fields (explained there).
 
     Returns:
@@ -76,13 +73,11 @@ def cross_entropy(
 def cross_entropy_call(
     logits: torch.Tensor, labels: torch.Tensor, boundaries: Boundaries, options: LossOptions
 ):
-    """:func:`cross_entropy` once its keywords are objects (its module and the causal-LM loss
-    call it directly)."""
+    """:func:`cross_entropy` with its keywords as objects."""
     check_tensor("logits", logits)
     backend = resolve_backend(options.backend, logits)
     if options.inplace_backward and not logits.is_contiguous():
-        # an expanded (stride-0) or overlapping view would receive several rows' gradients in
-        # one place, and a strided one would be copied (nothing written where the caller looks)
+        # an overlapping view would mix rows' gradients; a strided one is copied (unwritten)
         raise ValueError(
             "inplace_backward=True writes the gradient into the storage of logits, which must "
             f"be contiguous (got shape {tuple(logits.shape)}, strides {logits.stride()}): "
@@ -119,8 +114,7 @@ class PackedCrossEntropyLoss(nn.Module):
     """Module form of :func:`cross_entropy`: holds the keyword options.
 
     Args:
-        **options: the fields of :class:`packed_ce.LossOptions` (the keywords of
-            :func:`cross_entropy` except the tensors), checked here, once.
+        **options: the fields of :class:`packed_ce.LossOptions`, checked here, once.
 
     Example:
         >>> loss_fn = PackedCrossEntropyLoss(is_packed=True, shift=True)

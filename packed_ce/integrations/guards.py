@@ -12,12 +12,9 @@ from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_I
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
 MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
-# Under this keyword the installed forward hands the loss its boundaries from MODEL_TENSORS when
-# the batch has no cu_seqlens, already type-checked: ``{"cu_seqlens": cu_seq_lens_q}`` or
-# ``{"position_ids": position_ids}`` (a causal LM's forward consumes position_ids and does not pass
-# them on). The loss type-checks only what it reads from elsewhere (cu_seqlens, seq_targets,
-# seq_weights), so each per-call tensor is checked once. Like any extra keyword it also reaches
-# the attention functions, which ignore keywords they do not know.
+# The loss's boundaries from MODEL_TENSORS, checked, when the batch has no cu_seqlens:
+# ``{"cu_seqlens": cu_seq_lens_q}`` or ``{"position_ids": ...}`` (the forward consumes
+# position_ids). The loss does not check them again; attention ignores the keyword.
 BOUNDARIES_KEY = "packed_ce_boundaries"
 
 
@@ -25,8 +22,7 @@ def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
     """``batch[key]``: a tensor, or None when absent.
 
     Raises:
-        TypeError naming ``key`` for anything else (a list would otherwise fail deep inside the
-        loss with an AttributeError that names no argument).
+        TypeError naming ``key`` (not an AttributeError deep inside, naming nothing).
     """
     value = batch.get(key)
     if value is None or isinstance(value, torch.Tensor):
@@ -69,19 +65,11 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
 def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
     """The keywords of a packed call, changed so that no sequence attends to another.
 
-    A batch is packed when it has ``cu_seqlens`` or ``cu_seq_lens_q`` with a boundary inside a
-    row, or ``labels`` and ``position_ids`` that restart inside a row. transformers builds the
-    block-diagonal mask of such a row from ``position_ids`` only without an ``attention_mask``
-    and without a KV cache; otherwise every token attends to every earlier token of its row
-    (a relative loss error of about 2e-3 on Llama and Qwen2, sdpa and eager). So:
-
-    - the cache is turned off (a training or scoring call never reads it back);
-    - an ``attention_mask`` of ones, which says nothing, is dropped;
-    - an ``attention_mask`` that masks tokens, or a ``past_key_values`` passed in, cannot be
-      made exact: ValueError.
-
-    Deciding whether boundaries lie inside rows reads them (one host sync), and only happens
-    when an ``attention_mask`` or ``past_key_values`` is passed with them.
+    Packed: a boundary (``cu_seqlens``, ``cu_seq_lens_q``, a ``position_ids`` restart with
+    ``labels``) inside a row. transformers masks such a row block-diagonally only without an
+    ``attention_mask`` and a KV cache (else a loss error of ~2e-3 on Llama and Qwen2), so the
+    cache is turned off, an all-ones mask dropped, and a masking ``attention_mask`` or
+    ``past_key_values`` refused (reading the boundaries then costs one host sync).
     """
     boundaries = kwargs.get(CU_SEQLENS)
     if boundaries is None:

@@ -17,51 +17,33 @@ from ..validation import checked_boundaries
 from .batch import sequence_boundaries
 from .guards import BOUNDARIES_KEY
 
-# With this keyword set to True in a model call, the packed loss (on the logits, or the fused
-# forward's) also computes the targets' TokenStats in its own pass and keeps them on the model's
-# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like BOUNDARIES_KEY it also
-# reaches the attention functions, which ignore keywords they do not know.
+# Model-call keywords: keep the call's TokenStats / SequenceLosses for take_token_stats() /
+# take_seq_losses() (attention functions ignore keywords they do not know).
 TOKEN_STATS_KEY = "packed_ce_token_stats"
-# The same for the call's SequenceLosses (PackedCausalLMLoss.take_seq_losses()): each sequence's
-# share of the loss and of the weight, for a loss per data source.
 SEQ_LOSSES_KEY = "packed_ce_seq_losses"
 
 
 class PackedCausalLMLoss:
     """A transformers causal-LM loss function backed by :func:`packed_ce.cross_entropy`.
 
-    Called like transformers' ``ForCausalLMLoss``: ``labels`` are aligned with ``input_ids`` and
-    shifted inside (``shift=True``), never across a sequence boundary; a ``shift_labels`` keyword
-    (already shifted labels, as some padding-free collators emit) is used as is. The reduction is
-    "mean": with ``is_packed=True`` the mean over sequences of each sequence's mean token loss,
-    with ``is_packed=False`` the mean over target tokens (what ``ForCausalLMLoss`` computes), each
-    divided by ``num_items_in_batch`` instead when the caller gives it.
-
-    ``final_logit_softcapping`` is not applied here: the models that have it (Gemma 2 and later)
-    cap the logits in ``forward`` before calling the loss. The fused forward of
-    :func:`apply_packed_loss`, which sees hidden states, applies it.
+    Called like transformers' ``ForCausalLMLoss``: ``labels`` aligned with ``input_ids`` are shifted
+    inside, never across a sequence boundary (``shift_labels`` are used as they are). "mean": per
+    sequence (``is_packed=True``) or per target token, or over ``num_items_in_batch`` when given.
+    The models cap their logits (``final_logit_softcapping``) before calling it.
 
     Args:
         is_packed: average per sequence (True) or per token (False).
         ignore_index: label value that is not a target.
         label_smoothing: ``eps`` of :func:`packed_ce.cross_entropy`.
         z_loss_scale: weight of ``logsumexp**2`` in each token's loss.
-        inplace_backward: let the backward overwrite the returned ``outputs.logits`` with their
-            gradient (saves one ``(N, V)`` buffer; only when nothing reads the logits after the
-            backward, and not with a model that soft-caps its logits, whose ``tanh`` backward
-            reads them).
-        backend: "auto", "triton" or "torch", as in :func:`packed_ce.cross_entropy`.
-        validate: check labels and boundaries (on CUDA on the device, without a host sync: see
-            :func:`packed_ce.check_pending`).
+        inplace_backward: the backward overwrites ``outputs.logits`` with their gradient (not
+            with a soft-capping model, whose ``tanh`` backward reads them).
+        backend, validate: as in :func:`packed_ce.cross_entropy`.
 
-    A call with the keyword ``packed_ce_token_stats=True`` (:data:`TOKEN_STATS_KEY`, passed to
-    ``model(...)``, which hands its extra keywords to the loss) also computes the
-    :class:`packed_ce.TokenStats` of its targets in the loss's own pass over the logits and
-    keeps them for :meth:`take_token_stats`; ``packed_ce_seq_losses=True``
-    (:data:`SEQ_LOSSES_KEY`) keeps the call's :class:`packed_ce.SequenceLosses` for
-    :meth:`take_seq_losses`; so does the fused forward of :func:`apply_packed_loss`. They live on
-    this object, which the model holds, so they are found the same way under DDP, FSDP or PEFT
-    wrappers.
+    ``model(..., packed_ce_token_stats=True)`` (:data:`TOKEN_STATS_KEY`) keeps the call's
+    :class:`packed_ce.TokenStats` for :meth:`take_token_stats`, ``packed_ce_seq_losses=True`` its
+    :class:`packed_ce.SequenceLosses` for :meth:`take_seq_losses`: on this object, found the same
+    way under DDP, FSDP or PEFT wrappers.
 
     Example:
         >>> loss_fn = PackedCausalLMLoss(is_packed=True)
@@ -136,10 +118,9 @@ class PackedCausalLMLoss:
         """Targets, boundaries and options of the packed loss for one model call.
 
         Returns:
-            ``(targets, boundaries, options)``: ``labels`` (or ``shift_labels``) on ``device``, the
-            boundaries read from ``kwargs`` (:func:`sequence_boundaries`), type-checked unless
-            the installed forward's guard checked them, and this loss's options with ``shift``
-            and ``changes``.
+            ``(targets, boundaries, options)``: the labels on ``device``, the boundaries of
+            ``kwargs`` (type-checked unless the guard did), the options with ``shift`` and
+            ``changes``.
         """
         shift = shift_labels is None
         targets = (labels if shift else shift_labels).to(device)
@@ -167,13 +148,9 @@ class PackedCausalLMLoss:
             logits: ``(B, T, V)`` float32/bfloat16/float16, already soft-capped by the model.
             labels: ``(B, T)`` aligned with ``input_ids``; ``ignore_index`` where not trained.
             vocab_size: unused (``V`` is read from ``logits``); part of transformers' call.
-            num_items_in_batch: the normaliser of the whole optimiser step (see
-                :func:`count_num_items`); the local count when None.
-            shift_labels: ``(B, T)`` labels already shifted (target of ``logits[t]``), or None.
-            **kwargs: the model call's extra keywords, read for ``cu_seqlens``,
-                ``cu_seq_lens_q``, ``position_ids``, ``packed_ce_boundaries``,
-                ``packed_ce_token_stats`` and ``packed_ce_seq_losses``;
-                the rest is ignored.
+            num_items_in_batch: the step's normaliser (:func:`count_num_items`), or None.
+            shift_labels: ``(B, T)`` labels already shifted, or None.
+            **kwargs: the model call's extra keywords (boundaries, the keys above).
 
         Returns:
             0-d float32 loss.

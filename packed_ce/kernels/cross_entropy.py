@@ -1,23 +1,15 @@
 """Triton cross entropy over rows of logits, weighted per row.
 
-The kernel knows nothing about sequences: :mod:`packed_ce.targets` folds packing, shift and
-the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel computes
-``loss[t] = coef[t] * l_t`` and its gradient ``dL/dx_j`` as docs/reference.md ("The loss,
-exactly") defines them, with ``g_t`` the upstream gradient of row ``t``.
-
-Two ways to run it, both one program per row:
-- fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
-  for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1. Where one block spans the row (on a GPU: V <= 16384, or 32768
-  on parts with less memory bandwidth per SM, see :mod:`packed_ce.kernels.config`) the row is read once
-  and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the
-  floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient, mostly
-  from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was tried to
-  remove the re-read).
-- recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
-  see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
-  hand back an in-place gradient): the forward writes the loss and ``lse``; the backward reads
-  the logits again and writes the gradient.
+``coef[t]`` (:mod:`packed_ce.targets`) folds packing, shift and the reduction into one float32
+weight per row; the kernel computes ``loss[t] = coef[t] * l_t`` and ``dL/dx_j`` as
+docs/reference.md ("The loss, exactly") defines them. One program per row, two ways:
+- fused ("mean"/"sum", eager): one launch gives the loss and the gradient for ``g = 1``; the
+  backward rescales by the scalar ``g`` (nothing when it is 1). A row one block spans
+  (:mod:`packed_ce.kernels.config`) is read once and held in registers: 2 * N * V element
+  moves, the floor; a longer row is read twice: 3 * N * V (benchmarks/NOTES.md).
+- recompute ("none", whose ``g`` is per row; fp16, whose gradient must see the loss scale
+  before rounding; ``torch.compile``, whose functional ops cannot return an in-place
+  gradient): the forward writes loss and ``lse``, the backward reads the logits again.
 
 Dimensions: N rows (tokens), V vocabulary.
 """
@@ -165,11 +157,9 @@ def _cross_entropy_kernel(
             x_sum = tl.zeros((), tl.float32)
             px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
             if ROW_ON_CHIP:
-                # Pass 1 over the whole row at once, read N*V. The row stays in registers for
-                # the gradient below, so the logits are read once in all. The row's loads are
-                # issued first, the target's logit (whose address waits for the target) behind
-                # them; both land before the reductions' barriers, so before any warp writes
-                # the gradient, which may overwrite the logits in place.
+                # Pass 1 over the whole row, read N*V, kept in registers for the gradient. Both
+                # loads land before the reductions' barriers, so before any warp writes the
+                # gradient, which may overwrite the logits in place.
                 row_mask = cols < V
                 x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
                 x_target = tl.load(logits_row + target).to(tl.float32)
@@ -279,9 +269,8 @@ def _scale_rows_kernel(
     # switches
     BLOCK_V: tl.constexpr,
 ):
-    # Backward of the fused path. The branch is taken on the device, so the common case of an
-    # upstream gradient of exactly 1 costs one launch of idle programs, no pass over N*V and no
-    # host sync; any other value (loss scaling, Trainer's loss * num_processes) is honoured.
+    # Backward of the fused path, branching on the device: g == 1 costs idle programs only, no
+    # pass over N*V and no host sync; any other g (loss scaling, * num_processes) is applied.
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
         cols = tl.arange(0, BLOCK_V)
@@ -316,17 +305,14 @@ def launch(
         floats: ``(label_smoothing, z_loss_scale, softcap)``, a
             :class:`packed_ce.options.KernelFloats` (softcap 0.0: none).
         lse: None for the forward; the forward's ``(N,)`` fp32 ``lse`` for the backward.
-        grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None: receives
-            ``dL/dlogits``, for an upstream gradient of 1 in the forward, of ``grad_rows`` in the
-            backward.
+        grad: ``(N, V)`` of the logits' dtype (may be ``logits``) or None: ``dL/dlogits`` for
+            ``g = 1`` (forward) or ``grad_rows`` (backward).
         grad_rows: ``(N,)`` fp32 upstream gradient of the backward, any stride (0 broadcasts).
-        stats: forward only, ``(N, >=2)`` fp32 with unit column stride, or None: receives each
-            row's softmax entropy and 1.0 where the target is a top-1 class (0 where ``coef`` is
-            0), from the same read of the logits as the loss.
+        stats: forward only, ``(N, >=2)`` fp32 or None: each row's entropy and top-1 hit.
 
     Returns:
-        The forward's ``(loss, z, lse)``, each ``(N,)`` fp32 (three allocations, not views of one:
-        custom-op outputs must not alias each other); None for the backward.
+        The forward's ``(loss, z, lse)``, each ``(N,)`` fp32 (separate allocations: custom-op
+        outputs must not alias); None for the backward.
     """
     n, vocab = logits.shape
     forward = lse is None
@@ -388,9 +374,8 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def _mark_overwritten(logits: torch.Tensor) -> None:
-    """Bumps the autograd version of ``logits``, whose storage now holds their gradient, so
-    that any other node that saved them for its backward raises PyTorch's "modified by an
-    inplace operation" error instead of silently reading the gradient as logits."""
+    """Bumps the autograd version of ``logits``, now holding their gradient: a node that saved
+    them raises "modified by an inplace operation" instead of reading the gradient as logits."""
     torch.autograd.graph.increment_version(logits)
 
 
@@ -409,11 +394,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch's two columns, loss rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs_grad = ctx.needs_input_grad[0]
-        # With one scalar upstream gradient the whole gradient is known up to that scalar now,
-        # so compute it in the same pass that reads the logits for the loss. Not in fp16: its
-        # gradient entries (coef * p_j, often < 1e-7) would flush to zero before the backward
-        # could apply the loss scale that fp16 training relies on; fp16 recomputes in the
-        # backward with the scaled upstream gradient instead.
+        # A scalar upstream gradient: the gradient up to that scalar comes from the loss's pass.
+        # Not in fp16: entries coef * p_j (often < 1e-7) would flush to zero before the backward
+        # applies the loss scale; fp16 recomputes with the scaled upstream gradient.
         fused = needs_grad and reduce and logits.dtype != torch.float16
         grad = None
         if fused:
@@ -530,14 +513,12 @@ def triton_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, z)``: 0-d fp32 sums for "mean"/"sum", else ``(N,)`` fp32 rows (z detached).
 
-    The ``run`` of :func:`packed_ce.pipeline.run_loss` (bound to ``logits`` and ``options``).
+    The ``run`` of :func:`packed_ce.pipeline.run_loss`, bound to ``logits`` and ``options``.
 
     Args:
-        logits: ``(N, V)`` or ``(B, T, V)`` fp32/bf16/fp16.
-        options: the call's :class:`packed_ce.LossOptions`.
-        prepared: its :class:`packed_ce.targets.Targets`: ``(N,)`` int64 targets, fp32 coef.
-        stats: ``(N, 3)`` fp32 buffer filled with each row's entropy and top-1 hit (see
-            :func:`launch`) and its loss ``coef_t * l_t``, or None.
+        logits: ``(N, V)`` or ``(B, T, V)`` fp32/bf16/fp16. options: a LossOptions.
+        prepared: a :class:`packed_ce.targets.Targets` (``(N,)`` int64 targets, fp32 coef).
+        stats: ``(N, 3)`` fp32 (entropy, top-1 hit, ``coef_t * l_t``) or None.
     """
     rows = logits.reshape(-1, logits.shape[-1])
     if rows.stride(-1) != 1:
