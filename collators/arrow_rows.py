@@ -1,13 +1,9 @@
 """``pack_dataset``'s reading and writing of a ``datasets.Dataset``: tokens read in place, rows written in batches.
 
-A data set on disk is memory-mapped by ``datasets``; its token columns are never copied into memory as a whole.
-``TokenColumn`` views each Arrow chunk's offsets and values in place (file-backed pages, which the kernel can
-drop, not the process's own memory), ``scan_tokens`` checks the tokens and counts each conversation's targets
-a block of about ``BLOCK_TOKENS`` tokens at a time, and ``write_rows`` fills the packed rows with
-``datasets.Dataset.map`` over the plan (one small row of piece indices per packed row), ``BATCH_TOKENS`` tokens
-of rows at a time, into an Arrow cache file named by a fingerprint (reused by a second call) or, for a data
-set held in memory, into memory. What stays in memory grows with the number of conversations (a few
-integers each), never with the number of tokens.
+``TokenColumn`` views the memory-mapped Arrow chunks in place (file-backed pages, not the process's memory),
+``scan_tokens`` checks tokens and counts targets a block at a time, ``write_rows`` fills the packed rows with
+``datasets.Dataset.map`` over the plan into a fingerprinted cache. Memory grows with the number of
+conversations, never with the number of tokens.
 """
 
 from __future__ import annotations
@@ -82,8 +78,7 @@ class TokenColumn:
         starts = self.row_start[rows] + offsets
         ends = (starts + lengths).tolist()
         values = self.values
-        # One slice per piece joined by numpy: faster than Arrow's ``take`` on list arrays, and never more than
-        # the pieces' own tokens in memory.
+        # numpy slices: faster than Arrow's ``take`` on lists, and no more than the pieces' tokens in memory
         parts = [values[k][a:b] for k, a, b in zip(chunks, starts.tolist(), ends)]
         return np.concatenate(parts) if parts else _NO_TOKENS
 
@@ -117,8 +112,7 @@ def scan_tokens(input_ids: TokenColumn, labels: TokenColumn, kept: np.ndarray, i
 class _FillRows:
     """The ``map`` function of ``write_rows``: a batch of the plan (Arrow) to the same rows with their tokens.
 
-    Holds the data set, not its views, when pickled for ``num_proc`` workers: each builds its own views of the
-    memory-mapped file.
+    Pickled for ``num_proc`` workers without its views: each builds its own.
     """
 
     def __init__(self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None):
@@ -156,15 +150,9 @@ def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, finge
     them) with ``input_ids`` and ``labels`` filled in from ``dataset``, written with ``datasets.Dataset.map``.
 
     Args:
-        dataset (``datasets.Dataset``): the conversations, without an indices mapping.
-        columns: its ``input_ids`` and ``labels``, already read (a worker process reads its own).
-        plan (``pyarrow.Table``): one row per packed row; ``_conversation`` and ``_offset`` locate each piece.
-        fingerprint (``str``, *optional*): the result's; None for a data set read from an ``IterableDataset``.
+        dataset (``datasets.Dataset``): the conversations, without an indices mapping; columns: its tokens, read.
+        plan (``pyarrow.Table``): one row per packed row. fingerprint (``str``, *optional*): the result's.
         cache_file_name, num_proc, load_from_cache_file: as in ``pack_dataset``.
-
-    Returns:
-        ``datasets.Dataset``: backed by the cache file(s), or in memory when ``dataset`` is in memory and no
-        ``cache_file_name`` is given.
     """
     import datasets
     from datasets.fingerprint import generate_random_fingerprint, get_temporary_cache_files_directory

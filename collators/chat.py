@@ -33,50 +33,26 @@ def tokenize_conversation(
 ) -> dict[str, list[int]] | None:
     """Tokenize one conversation and label the tokens of every assistant turn.
 
-    ``input_ids`` are exactly ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``.
-    ``labels`` equal ``input_ids`` on the tokens the assistant produces, in every assistant turn of a
-    multi-turn conversation, including the token(s) that close each turn (``<|im_end|>``, ``<|eot_id|>``,
-    ``</s>``, ``<end_of_turn>``, ...) so the model learns to stop; they are ``ignore_index`` on system, user
-    and tool turns and on the template's scaffolding (role headers, separators between turns).
+    ``input_ids`` are ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``; ``labels`` equal them
+    on every assistant turn, its closing token(s) included (``<|im_end|>``, ``<|eot_id|>``, ...) so the model learns
+    to stop, and are ``ignore_index`` elsewhere (other turns, role headers, separators).
 
-    How the assistant tokens are found:
-
-    - If the chat template has ``{% generation %}`` markers, the template's own mask
-      (``return_assistant_tokens_mask=True``) decides.
-    - Otherwise, for assistant message ``i``, the conversation up to message ``i - 1`` is rendered with the
-      generation prompt and the conversation up to message ``i`` without it: the text between the two ends
-      is what the assistant turn adds. Its tokens are trained up to the last special token in it (the turn's
-      closing token); plain-text separators after that token are not. A template with no special token in
-      the turn has everything it adds trained.
-    - Templates that render earlier turns differently once later turns exist (so the renders above are not
-      prefixes of the full conversation) fall back to locating the message's content in the full render; the
-      trained tokens are then the content plus the closing special token that follows it (whitespace in between
-      included). Tool calls of such templates are only found through generation markers.
+    Assistant tokens come from the template's ``{% generation %}`` mask if it has one; else what rendering up to
+    message ``i`` adds to the render up to ``i - 1`` with the generation prompt, trained up to its last special
+    token; else (templates that re-render earlier turns) the message's content located in the full render plus
+    the closing special token after it (tool calls then need generation markers).
 
     Args:
-        tokenizer (``transformers.PreTrainedTokenizerBase``):
-            Any tokenizer with a chat template. Without generation markers a fast tokenizer is needed
-            (character offsets).
-        messages (``list[dict]``):
-            The conversation: ``[{"role": ..., "content": ...}, ...]``. An assistant message may carry
-            ``tool_calls`` instead of ``content``.
-        max_length (``int``, *optional*):
-            Keep only the first ``max_length`` tokens (labels cut at the same place).
-        tools (``list[dict]``, *optional*):
-            Tool schemas, passed to the chat template.
-        chat_template (``str``, *optional*):
-            A template to use instead of ``tokenizer.chat_template``.
-        skip_no_assistant (``bool``, *optional*, defaults to ``False``):
-            A conversation without an assistant turn has nothing to learn from: raise a ``ValueError`` (default)
-            or return ``None`` so the caller can count and skip it (as ``tokenize_dataset`` does).
-        ignore_index (``int``, *optional*, defaults to -100):
-            The label of tokens that are not trained.
-        **template_kwargs:
-            Extra variables for the chat template.
+        tokenizer (``transformers.PreTrainedTokenizerBase``): with a chat template (a fast one without markers).
+        messages (``list[dict]``): ``[{"role": ..., "content": ...}, ...]`` (or ``tool_calls`` for an assistant).
+        max_length (``int``, *optional*): keep the first ``max_length`` tokens.
+        tools (``list[dict]``, *optional*), chat_template (``str``, *optional*), **template_kwargs: for the template.
+        skip_no_assistant (``bool``, *optional*, defaults to ``False``): return ``None`` instead of raising for a
+            conversation without an assistant turn.
+        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
 
     Returns:
-        ``dict`` with ``input_ids`` and ``labels``, two lists of ints of the same length, or ``None`` for a skipped
-        conversation.
+        ``dict`` of equal-length ``input_ids`` and ``labels``, or ``None`` for a skipped conversation.
 
     Raises:
         ``ValueError``: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
@@ -137,18 +113,17 @@ def tokenize_dataset(
     Args:
         dataset (``datasets.Dataset``): has a column of conversations in the ``messages`` format.
         tokenizer (``transformers.PreTrainedTokenizerBase``): any tokenizer with a chat template.
-        max_length (``int``, *optional*): keep only the first ``max_length`` tokens of each conversation. Leave it
-            unset when packing: ``pack_dataset`` counts and reports over-long conversations itself.
-        messages_column (``str``, *optional*, defaults to ``"messages"``): the column holding the conversations.
-        skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop conversations without an assistant
-            turn; their number is logged as a warning. With ``False`` they raise.
+        max_length (``int``, *optional*): keep the first ``max_length`` tokens (unset when packing:
+            ``pack_dataset`` counts over-long conversations itself).
+        messages_column (``str``, *optional*, defaults to ``"messages"``): the column of conversations.
+        skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop (and count in a warning) or, with
+            ``False``, refuse conversations without an assistant turn.
         num_proc (``int``, *optional*): processes for ``datasets.Dataset.map``.
         **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, template variables).
 
     Returns:
-        ``datasets.Dataset`` with the columns ``input_ids`` and ``labels`` (lists of ints) in place of
-        ``messages_column``, every other column kept (a ``weight``, a ``source``, ids: ``pack_dataset`` carries them to
-        the packed rows), one row per kept conversation, in the input order.
+        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``, other columns kept, one
+        row per kept conversation, in order.
 
     Example:
 
@@ -246,8 +221,7 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
         span = _turn_span(tokenizer, messages, turn, text, render_kwargs)
         if span is not None:
             first, last = _tokens_in(token_at, *span)
-            # The turn ends with its closing special token; separators rendered after it belong to the
-            # template's layout between turns and are not trained.
+            # separators after the closing special token are the template's layout: untrained
             specials = [t for t in range(first, last + 1) if is_special[t]]
             if specials:
                 last = specials[-1]
@@ -293,8 +267,7 @@ def _content_and_closing_tokens(text, offsets, token_at, is_special, start, end,
     else:
         first = last = None
         probe = next((t for t, (s, _) in enumerate(offsets) if s >= start), len(offsets))
-    # Walk to the closing special token: whitespace may come first; anything else means the template
-    # closes the turn with plain text, which stays untrained.
+    # to the closing special token past whitespace; plain text closing the turn stays untrained
     while probe < len(offsets):
         if is_special[probe]:
             return (probe if first is None else first), probe

@@ -89,9 +89,8 @@ def sequence_sources(example, index: int, count: int) -> list:
 def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
     """``seq_targets`` of a batch: given counts (whole conversations) where present, else each sequence's own.
 
-    ``given`` is one entry per example: an array aligned with its sequences, or None. A sequence without
-    targets gets 1 (nothing to weigh, and ``weight / seq_targets`` stays finite); a given count below the
-    sequence's own is refused, as it would weigh a target above its conversation's share.
+    ``given``: per example, an array aligned with its sequences or None. 1 for a sequence without targets; a
+    given count below the sequence's own is refused (a target would weigh more than its conversation's share).
     """
     own = targets_per_sequence(labels, lengths, ignore_index)
     counts = own.copy()
@@ -130,43 +129,28 @@ class _Collator:
 class PackedCollator(_Collator):
     """Concatenate conversations into one row with exact sequence boundaries (padding-free batches).
 
-    Takes tokenized conversations (``input_ids``, ``labels``) or rows of ``pack_dataset`` / ``pack_stream`` (which
-    add ``seq_lengths``, the length of each conversation in the row) and returns one row of ``T`` tokens:
+    Takes tokenized conversations (``input_ids``, ``labels``) or rows of ``pack_dataset`` / ``pack_stream`` (with
+    ``seq_lengths``) and returns one row of ``T`` tokens:
 
-    - ``input_ids`` ``(1, T)`` int64: the tokens, back to back.
-    - ``labels`` ``(1, T)`` int64: aligned with ``input_ids`` (the model or the loss shifts them), with the first label
-      of every sequence set to ``ignore_index``. With the usual shift the last token of one conversation would
-      otherwise be trained to predict the first token of the next; a plain shifted loss (transformers'
-      built-in one) then never trains across a boundary.
-    - ``position_ids`` ``(1, T)`` int64: ``0, 1, 2, ...`` restarting at every sequence.
-    - ``cu_seqlens`` ``(S + 1,)`` int32: cumulative sequence lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == T``.
-    - ``max_seqlen`` (``int``): the longest sequence.
-    - ``num_sequences`` (``int``): the sequences with at least one target, i.e. a label other than
-      ``ignore_index`` after the first position: the denominator of a per-sequence mean.
-    - ``seq_targets`` ``(S,)`` int32, aligned with ``cu_seqlens``: for each sequence, the number of targets of the
-      whole conversation it belongs to (under the shift: labels other than ``ignore_index`` after its first
-      token). A sequence's own count unless the example gives ``seq_targets`` (the pieces of a conversation
-      split by ``pack_dataset(..., overflow="split")``). A sequence without targets, and the padding segment,
-      get 1: they hold no target to weigh, and a loss weighing each target ``seq_weight / seq_targets`` never
-      divides by 0.
-    - ``seq_weights`` ``(S,)`` float64, only when the examples carry weights (``seq_weights`` per sequence or
-      ``weight`` per conversation): each sequence's conversation weight; 0 for the padding segment. float64:
-      a weight below float32's range (1e-46) or above it (1e39) keeps its value, and the loss divides the
-      weights by their mass in float64 before any float32 arithmetic.
-    - ``seq_sources`` (list of ``str`` or None, aligned with ``cu_seqlens``), only when some example names its
-      source (``seq_sources`` per sequence or ``source`` per conversation): where each sequence comes from, for
-      a loss per source (the trainers log ``loss/<source>``); None for the padding segment.
-    - with ``return_varlen_kwargs=True``, transformers' flash-attention keywords: ``cu_seq_lens_q``,
-      ``cu_seq_lens_k`` (the ``cu_seqlens`` tensor) and ``max_length_q``, ``max_length_k`` (``max_seqlen``).
+    - ``input_ids`` ``(1, T)`` int64, back to back.
+    - ``labels`` ``(1, T)`` int64, aligned with ``input_ids``; the first label of every sequence is ``ignore_index``,
+      so a plain shifted loss never trains the last token of one conversation on the first of the next.
+    - ``position_ids`` ``(1, T)`` int64, restarting at 0 for every sequence.
+    - ``cu_seqlens`` ``(S + 1,)`` int32 from 0 to ``T``; ``max_seqlen`` (``int``).
+    - ``num_sequences`` (``int``): sequences with a target (a label after their first token), the per-sequence mean's
+      denominator.
+    - ``seq_targets`` ``(S,)`` int32: the target count of each sequence's whole conversation (given by the example
+      for split pieces, else its own); 1 for a sequence without targets and for padding, so ``weight / seq_targets``
+      never divides by 0.
+    - ``seq_weights`` ``(S,)`` float64, when examples carry ``seq_weights`` or ``weight``; 0 for padding. float64 keeps
+      weights outside float32's range (1e-46, 1e39).
+    - ``seq_sources`` (list of ``str`` or None), when examples carry ``seq_sources`` or ``source``; None for padding.
+    - with ``return_varlen_kwargs``: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``cu_seqlens``), ``max_length_q`` /
+      ``max_length_k`` (``max_seqlen``) for flash attention.
 
-    There is deliberately no ``attention_mask``. Transformers recognises a packed row from ``position_ids``
-    alone, and only when no ``attention_mask`` and no KV cache are given: sdpa and eager attention then build a
-    block-diagonal causal mask, flash attention uses the varlen keywords. Call the model with
-    ``model(**batch, use_cache=False)``; the extra keys travel through ``**kwargs`` untouched.
-
-    With ``pad_to_multiple_of``, ``T`` is rounded up by a padding segment of ``pad_token_id`` tokens: its own
-    sequence in ``cu_seqlens``, positions ``0, 1, ...``, all labels ``ignore_index``, not counted in ``num_sequences``,
-    ``seq_targets`` 1 and ``seq_weights`` 0.
+    No ``attention_mask``: transformers builds the block-diagonal mask from ``position_ids`` only without one and
+    without a KV cache, so call ``model(**batch, use_cache=False)``. ``pad_to_multiple_of`` adds a padding segment of
+    ``pad_token_id`` tokens, a sequence of its own with every label ``ignore_index``.
 
     Args:
         pad_to_multiple_of (``int``, *optional*): round ``T`` up to a multiple of this (fixed shapes help compiled
@@ -195,8 +179,7 @@ class PackedCollator(_Collator):
     >>> batch["seq_targets"]
     tensor([2, 2, 1], dtype=torch.int32)
 
-    The two pieces of a conversation split by ``pack_dataset``, each carrying the conversation's 4 targets, and
-    a weighted conversation:
+    Two pieces of a split conversation of 4 targets, and a weighted conversation:
 
     >>> rows = [{"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4], "seq_targets": [4],
     ...          "seq_weights": [0.5]},
@@ -225,10 +208,9 @@ class PackedCollator(_Collator):
     def __call__(self, examples: Sequence[Mapping]) -> dict:
         """Collate ``examples`` into one packed row.
 
-        Each example is a dict with ``input_ids`` and optionally ``labels`` (missing: every token is trained),
-        ``seq_lengths`` (missing: the example is one sequence), ``seq_targets``, ``seq_weights`` and ``seq_sources``
-        (per sequence, as ``pack_dataset`` writes them) or ``weight`` and ``source`` (a single conversation's).
-        Weights must be given for every example of the batch or for none.
+        Each example: ``input_ids``, optionally ``labels`` (default: all trained), ``seq_lengths`` (default: one
+        sequence), ``seq_targets`` / ``seq_weights`` / ``seq_sources`` or one conversation's ``weight`` / ``source``
+        (weights in every example or none).
         """
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
         if not parts:
@@ -298,15 +280,9 @@ class PaddedCollator(_Collator):
 
     - ``input_ids`` ``(B, T)`` int64, right-padded with ``pad_token_id``;
     - ``attention_mask`` ``(B, T)`` int64, 1 on real tokens;
-    - ``labels`` ``(B, T)`` int64, ``ignore_index`` on padding and on the first token of each conversation (as in
-      ``PackedCollator``, so both batches hold exactly the same targets);
-    - ``cu_seqlens`` ``(B + 1,)`` int32, ``arange(B + 1) * T``: each row is one sequence of the flattened ``B * T``
-      tokens (its padding included, which has no target);
-    - ``num_sequences`` (``int``): rows with at least one target;
-    - ``seq_targets`` ``(B,)`` int32: each row's target count under the shift (or the example's ``seq_targets``,
-      for a piece of a split conversation), 1 for a row without targets (see ``PackedCollator``);
-    - ``seq_weights`` ``(B,)`` float64, when the examples carry weights (see ``PackedCollator``);
-    - ``seq_sources`` (list of ``str`` or None), when some example names its ``source``.
+    - ``labels`` ``(B, T)`` int64, ``ignore_index`` on padding and each first token (the targets of ``PackedCollator``);
+    - ``cu_seqlens`` ``(B + 1,)`` int32, ``arange(B + 1) * T``: one sequence per row, padding included;
+    - ``num_sequences``, ``seq_targets`` ``(B,)``, ``seq_weights``, ``seq_sources``: as in ``PackedCollator``.
 
     Args:
         pad_token_id (``int``, *optional*, defaults to 0): padding token.

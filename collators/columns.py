@@ -1,7 +1,6 @@
 """The batch contract: every key a row, a batch or a data set column carries, in one place.
 
-Rows and batches go from the collators to the trainers and the packed loss; each side names the
-keys from here, so a misspelt key is a NameError instead of a column silently missing.
+A misspelt key is then a NameError, not a column silently missing.
 """
 
 from __future__ import annotations

@@ -19,11 +19,7 @@ _TOKENIZER_RECIPE = "bytelevel-bpe-v1"
 
 
 def require_demo_extra(caller: str) -> None:
-    """ImportError naming the ``demo`` extra when the packages of the default data are missing.
-
-    Without it the first sign would be ``PackageNotFoundError: chatterbot-corpus`` or a missing ``yaml``
-    module, naming neither the extra nor the install command.
-    """
+    """ImportError naming the ``demo`` extra (else: ``PackageNotFoundError: chatterbot-corpus`` or no ``yaml``)."""
     try:
         import chatterbot_corpus  # noqa: F401
         import yaml  # noqa: F401
@@ -37,20 +33,17 @@ def require_demo_extra(caller: str) -> None:
 def load_default_dataset(*, system_prompt: bool = True):
     """The English conversations of the ``chatterbot-corpus`` package as a ``datasets.Dataset``.
 
-    Each conversation of the corpus is a list of utterances; they become alternating ``user`` and ``assistant``
-    turns, starting with the user. A trailing user utterance without an answer is left out, and so are the
-    conversations that have no answer at all (none in the English corpus). With ``system_prompt=True`` every
-    conversation opens with a system turn naming its category.
+    Utterances become alternating ``user`` / ``assistant`` turns (an unanswered last one left out), after a system turn
+    naming the category with ``system_prompt=True``.
 
     Args:
         system_prompt (``bool``, *optional*, defaults to ``True``): add the system turn.
 
     Returns:
-        ``datasets.Dataset`` with the columns ``messages`` (list of ``{"role", "content"}`` dicts) and ``category``
-        (str), in a fixed order (files sorted by name, conversations in file order).
+        ``datasets.Dataset`` of ``messages`` and ``category`` (str), in a fixed order.
 
     Raises:
-        ``ImportError`` naming the ``demo`` extra (``pip install "packed-ce[demo]"``) when it is not installed.
+        ``ImportError`` naming the ``demo`` extra when it is not installed.
 
     Example:
 
@@ -82,11 +75,9 @@ def load_default_dataset(*, system_prompt: bool = True):
 def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None):
     """A byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues, with a ChatML chat template.
 
-    Training is deterministic and takes about a second; the result is cached in ``cache_dir``, else
-    ``$PACKED_CE_CACHE``, else ``~/.cache/packed_ce``, under a name that changes with the corpus version and the
-    recipe. Special tokens: ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (end of turn and
-    ``eos_token``). The chat template (``collators.templates.CHATML_TEMPLATE``) marks each assistant turn,
-    ``<|im_end|>`` included, with ``{% generation %}``.
+    Deterministic, about a second, cached in ``cache_dir``, ``$PACKED_CE_CACHE`` or ``~/.cache/packed_ce``. Special
+    tokens ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (``eos_token``); the template
+    (``collators.templates.CHATML_TEMPLATE``) has ``{% generation %}`` markers.
 
     Args:
         vocab_size (``int``, *optional*, defaults to 3072): size of the vocabulary, special tokens included.
@@ -96,7 +87,7 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
         ``transformers.PreTrainedTokenizerFast``.
 
     Raises:
-        ``ImportError`` naming the ``demo`` extra (``pip install "packed-ce[demo]"``) when it is not installed.
+        ``ImportError`` naming the ``demo`` extra when it is not installed.
 
     Example:
 
@@ -137,16 +128,12 @@ def load_messages_dataset(
 ):
     """A data set in the ``messages`` format, from a local JSON/JSONL file or folder, or a hub name.
 
-    A name that looks like a local path (see ``local_path``) is never sent to the hub: a missing one raises at
-    once.
 
     Args:
-        name_or_path (``str`` or ``os.PathLike``): a ``.json`` or ``.jsonl`` file with one conversation per record
-            (``{"messages": [{"role": ..., "content": ...}, ...]}``), a local folder, or a data set name for
-            ``datasets.load_dataset``.
+        name_or_path (``str`` or ``os.PathLike``): a ``.json`` / ``.jsonl`` file of ``{"messages": [...]}`` records, a
+            local folder, or a hub name (a local-looking path is never sent to the hub).
         split (``str``, *optional*, defaults to ``"train"``): the split to load.
-        messages_column (``str``, *optional*, defaults to ``"messages"``): the column holding the conversations;
-            it is renamed to ``messages``.
+        messages_column (``str``, *optional*, defaults to ``"messages"``): renamed to ``messages``.
         **kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -154,8 +141,7 @@ def load_messages_dataset(
 
     Raises:
         ``FileNotFoundError``: a local path that does not exist.
-        ``ValueError``: an empty file or data set, a malformed JSON line (its line number is in the message), a
-            file that is not ``.json`` / ``.jsonl``, or no ``messages_column``.
+        ``ValueError``: empty, a malformed JSON line (named), not ``.json`` / ``.jsonl``, no ``messages_column``.
 
     Example:
 
@@ -204,14 +190,11 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
 def local_path(name_or_path: str | os.PathLike, argument: str) -> Path | None:
     """``name_or_path`` as a local ``Path`` if it names one, None if it is a hub name.
 
-    A local path is anything that exists, or that a hub repository id (``name`` or ``owner/name``) cannot be:
-    an absolute, ``~`` or ``.``-relative path, a path of more than two parts or with a backslash, or a name ending
-    in a data or model file suffix (``.json``, ``.jsonl``, ``.csv``, ``.parquet``, ...). So ``data/chats.jsonl`` or
-    ``./tokenizer`` are never sent to a hub, while ``owner/name`` is a hub name unless such a folder exists here.
+    Local: anything that exists, or that a hub id (``name`` or ``owner/name``) cannot be (absolute, ``~`` or
+    ``.``-relative, more than two parts, a backslash, a data or model file suffix).
 
     Raises:
-        ``FileNotFoundError``: ``name_or_path`` looks like a local path but does not exist (message names
-            ``argument``).
+        ``FileNotFoundError`` naming ``argument``: it looks local but does not exist.
     """
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()

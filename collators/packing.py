@@ -1,21 +1,14 @@
 """Packing tokenized conversations into rows of at most ``max_length`` tokens, boundaries kept.
 
-``pack_dataset`` packs a whole ``datasets.Dataset`` (or ``datasets.IterableDataset``) at once with
-best-fit-decreasing, reading the tokens in place and writing the rows to an Arrow cache (``arrow_rows``);
-``pack_stream`` and ``PackedIterableDataset`` pack a stream window by window. Both emit rows of the same layout,
-``{"input_ids", "labels", "seq_lengths"}`` (plus ``seq_targets`` when conversations may be split, ``seq_weights``
-when the data carry a ``weight``; ``pack_dataset`` also carries every other column, one value per sequence),
-which ``PackedCollator`` turns into a batch.
+``pack_dataset`` packs a whole data set at once with best-fit-decreasing (rows written to an Arrow cache,
+``arrow_rows``); ``pack_stream`` and ``PackedIterableDataset`` pack a stream window by window. Rows:
+``{"input_ids", "labels", "seq_lengths"}``, plus ``seq_targets`` when splitting and ``seq_weights`` with a ``weight``.
 
-Splitting (``overflow="split"``). A conversation of ``L > M = max_length`` tokens becomes pieces that start every
-``M - 1`` tokens: piece ``k`` holds tokens ``[k (M - 1), k (M - 1) + M)`` (the last one is shorter). Each piece
-after the first starts one token early, on the last token of the piece before, and that token's label is set
-to ``ignore_index`` in the row. Under the causal shift, where token ``t`` predicts label ``t + 1`` of its own
-sequence, piece ``k`` then trains exactly the labels ``k (M - 1) + 1 .. k (M - 1) + M - 1``: every label of the
-conversation after its first is trained exactly once, the one at each cut included (as the target of the
-repeated token), and no token is lost. The price is one repeated input token per cut, which carries no
-target. Each piece carries in ``seq_targets`` the target count of the whole conversation, so a loss that weighs
-each target ``1 / seq_targets`` gives the conversation a total weight of exactly 1 however it was cut.
+Splitting (``overflow="split"``): a conversation of ``L > M = max_length`` tokens becomes pieces starting every
+``M - 1`` tokens, piece ``k`` = tokens ``[k (M - 1), k (M - 1) + M)``. Each piece after the first repeats the last
+token of the piece before, with label ``ignore_index``; under the causal shift it predicts the label at the cut, so
+every label after the first is trained exactly once. Each piece's ``seq_targets`` is the target count of the whole
+conversation: weighing each target ``1 / seq_targets`` gives the conversation a total weight of 1 however it was cut.
 """
 
 from __future__ import annotations
@@ -45,24 +38,19 @@ OVERFLOWS = ("truncate", "drop", "error", "split")
 
 @dataclasses.dataclass
 class PackingStats:
-    """What packing did to the conversations: nothing is dropped, shortened or cut without being counted here.
+    """What packing did: nothing is dropped, shortened or cut without being counted here.
 
     Attributes:
         max_length (``int``): the row capacity in tokens.
         num_conversations (``int``): conversations read.
         num_packed (``int``): conversations placed in rows (truncated and split ones included, each once).
-        num_truncated (``int``): conversations longer than ``max_length``, cut to their first ``max_length`` tokens.
-        num_truncated_tokens (``int``): tokens removed by that truncation.
-        num_dropped (``int``): conversations longer than ``max_length`` left out (``overflow="drop"``).
-        num_split (``int``): conversations longer than ``max_length`` cut into pieces (``overflow="split"``).
-        num_split_pieces (``int``): the pieces they became (each a sequence of its own in a row).
+        num_truncated, num_truncated_tokens (``int``): over-long conversations truncated, and the tokens cut.
+        num_dropped, num_split (``int``): over-long conversations dropped, split. num_split_pieces: their pieces.
         num_empty (``int``): conversations with no token, left out.
-        num_without_targets (``int``): packed conversations with no target under the causal shift (no label
-            other than ``ignore_index`` after their first token, e.g. truncation cut every assistant token): they
-            take room in the rows and train nothing.
+        num_without_targets (``int``): packed conversations with no target under the causal shift (e.g.
+            truncation cut every assistant token): they take room and train nothing.
         num_rows (``int``): rows produced.
-        num_tokens (``int``): tokens in the rows (with ``overflow="split"``, the token repeated at each cut counts
-            once per piece).
+        num_tokens (``int``): tokens in the rows (a token repeated at a cut counts once per piece).
     """
 
     max_length: int
@@ -101,8 +89,7 @@ class PackingStats:
 def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     """Assign items to bins of ``capacity`` with best-fit-decreasing.
 
-    Items are taken longest first (ties in input order); each goes into the open bin with the least free
-    space that still holds it, or opens a new bin. Deterministic, O(n log n).
+    Longest first (ties in input order), each into the open bin with the least room that holds it. O(n log n).
 
     Args:
         lengths (sequence of int): item sizes, each in ``[1, capacity]``.
@@ -130,10 +117,8 @@ def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Core of ``best_fit_decreasing``: (item indices in row order, number of items per row)."""
     order = np.argsort(-lengths, kind="stable")
-    # Open bins are grouped by their free space: ``free_levels`` is the sorted list of free-space values held by
-    # at least one bin and ``bins_at[f]`` the bins with exactly ``f`` tokens free. The best fit for an item of
-    # length L is then any bin at the first level >= L, found by bisection; both structures are at most
-    # ``capacity`` long, so the list insertions are short memmoves, cheaper than a tree walk in Python.
+    # Open bins grouped by free space: ``free_levels`` sorted, ``bins_at[f]`` the bins with ``f`` free. The best
+    # fit for length L is a bin at the first level >= L (bisection); both are at most ``capacity`` long.
     free_levels: list[int] = []
     bins_at: list[list[int]] = [[] for _ in range(capacity + 1)]
     bin_of = [0] * len(order)
@@ -227,8 +212,8 @@ def _plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingSta
 def _row_metadata(plan: _Plan, targets: np.ndarray, weights: np.ndarray | None, split: bool) -> dict[str, np.ndarray]:
     """Per-piece columns next to ``seq_lengths``: ``seq_targets`` (when splitting) and ``seq_weights`` (with weights).
 
-    ``seq_targets`` is the target count of the piece's whole conversation, or 1 for a conversation without
-    targets: it has no target to weigh, and a divisor of 1 keeps ``weight / seq_targets`` finite.
+    ``seq_targets``: the target count of the piece's whole conversation, 1 for one without targets (a finite
+    divisor; it has nothing to weigh).
     """
     columns = {SEQ_LENGTHS: plan.length}
     if split:
@@ -251,29 +236,19 @@ def pack_dataset(
 ):
     """Pack tokenized conversations into rows of at most ``max_length`` tokens with best-fit-decreasing.
 
-    The whole data set is packed at once (not batch by batch), so the long conversations of one part
-    find the short ones of another. A conversation longer than ``max_length`` is truncated to its first
-    ``max_length`` tokens (default), dropped, split into pieces (see the module docstring: every target is
-    still trained exactly once), or raises. Every such case is counted in the returned ``PackingStats`` and
-    logged, with the packing efficiency (real tokens / (rows * max_length)). Deterministic: the same input
-    gives the same rows.
-
-    Memory does not grow with the number of tokens: the plan needs only each conversation's length (and
-    target count, from one pass over the labels, block by block), and the rows are written a batch at a time
-    with ``datasets.Dataset.map`` to an Arrow cache file beside the data set's own (``cache-<fingerprint>.arrow``,
-    from the data set's fingerprint and the options), which a second call with the same data and options
-    reuses. A data set held in memory gives rows in memory unless ``cache_file_name`` is set. An indices
-    mapping (after ``shuffle`` or ``select``) is first written out with ``flatten_indices``.
+    The whole data set at once, so long conversations of one part find short ones of another; deterministic.
+    An over-long conversation is truncated (default), dropped, split (module docstring) or raises; each case is
+    counted in ``PackingStats`` and logged. Memory does not grow with the token count: the plan needs only
+    lengths and target counts, and rows are written with ``datasets.Dataset.map`` to an Arrow cache beside the
+    data set's (reused by a second identical call; in memory for an in-memory data set unless
+    ``cache_file_name`` is set).
 
     Args:
-        dataset (``datasets.Dataset`` or ``datasets.IterableDataset``): columns ``input_ids`` and ``labels``, lists of
-            ints of equal length per row (as made by ``tokenize_dataset``), and optionally ``weight``, a real
-            number >= 0 per conversation (e.g. to weight data sources), carried to each piece as
-            ``seq_weights``. Every other column is carried to each piece too: ``source`` (a string per
-            conversation) as ``seq_sources``, any other column ``name`` as ``seq_<name>``; a column holding lists
-            or structs (not one value per conversation) raises. An ``IterableDataset`` is read to the end into
-            memory (packing the whole data set needs every length); use ``pack_stream`` to pack a stream window
-            by window.
+        dataset (``datasets.Dataset`` or ``datasets.IterableDataset``): ``input_ids`` and ``labels`` (equal-length
+            lists of ints, as ``tokenize_dataset`` makes), optionally ``weight`` (real >= 0 per conversation). Every
+            other column goes to each piece: ``weight`` as ``seq_weights``, ``source`` (strings) as ``seq_sources``,
+            ``name`` as ``seq_<name>``; a column of lists or structs raises. An ``IterableDataset`` is read into
+            memory (use ``pack_stream`` for a stream).
         max_length (``int``): row capacity in tokens (at least 2 with ``overflow="split"``).
         overflow (``str``, *optional*, defaults to ``"truncate"``): what to do with a conversation longer than
             ``max_length``: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"`` (raise ``ValueError``).
@@ -285,19 +260,14 @@ def pack_dataset(
             disabled in ``datasets``).
 
     Returns:
-        ``datasets.Dataset`` with the columns ``input_ids``, ``labels`` (lists of ints of the input's integer type,
-        at most ``max_length`` long), ``seq_lengths`` (the length of each sequence in the row, in row order; they
-        sum to the row's length), with ``overflow="split"`` ``seq_targets`` (for each sequence, the target count
-        of its whole conversation, 1 for a conversation without targets), then the carried columns, one value
-        per sequence: ``seq_weights`` (float64), ``seq_sources``, ``seq_<name>``; or ``(dataset, PackingStats)`` with
-        ``return_stats=True``. Rows come in the order they were opened (longest pieces first); shuffle them in
-        the DataLoader.
+        ``datasets.Dataset`` of ``input_ids``, ``labels`` (at most ``max_length``), ``seq_lengths`` (summing to the row's
+        length), ``seq_targets`` when splitting, then the carried columns, one value per sequence (``seq_weights``
+        float64); ``(dataset, PackingStats)`` with ``return_stats``. Longest rows first: shuffle in the DataLoader.
 
     Raises:
         ``TypeError``: ``dataset`` is not a data set, ``max_length`` not an int, tokens or weights of the wrong type.
-        ``ValueError``: ``max_length`` too small, unknown ``overflow``, missing columns, negative token ids or labels
-            other than ``ignore_index``, rows whose ``input_ids`` and ``labels`` differ in length, weights that are
-            not finite and >= 0, a ``source`` that is not a string, a column that cannot be carried (naming it).
+        ``ValueError`` naming the row or column: ``max_length`` too small, unknown ``overflow``, missing columns,
+            negative ids or labels, unequal lengths, weights not finite and >= 0, a non-string ``source``.
 
     Example:
 
@@ -315,9 +285,8 @@ def pack_dataset(
     >>> stats.num_rows, stats.efficiency, stats.num_truncated
     (2, 1.0, 0)
 
-    Split into rows of 4 tokens, the 6-token conversation becomes pieces ``[4, 5, 6, 7]`` and ``[7, 8, 9]``; the
-    repeated 7 is context only (label -100) and predicts 8, the target at the cut. The conversation has 4
-    targets (6, 7, 8, 9), carried by both pieces:
+    Split into rows of 4: the repeated 7 (label -100) predicts 8, the target at the cut; both pieces carry the
+    conversation's 4 targets:
 
     >>> split = pack_dataset(dataset.select([1, 2]), max_length=4, overflow="split")
     >>> split["input_ids"][:], split["labels"][:]
@@ -376,13 +345,9 @@ def pack_dataset(
 
 
 def _carried_columns(schema) -> dict[str, str]:
-    """The columns carried to the pieces, by the name of their row column: ``source`` as ``seq_sources``, any
-    other ``name`` but the tokens and ``weight`` as ``seq_<name>``.
-
-    Raises:
-        ``ValueError`` naming the column: ``input_ids`` or ``labels`` missing, a column holding lists or structs (no
-        single value to give each piece), a row column name taken, a ``source`` column that is not strings.
-    """
+    """The columns carried to the pieces, by row column name (``source`` -> ``seq_sources``, ``name`` ->
+    ``seq_<name>``); ValueError naming a missing token column, a list or struct column, a name taken, a non-string
+    ``source``."""
     import pyarrow as pa
 
     missing = {INPUT_IDS, LABELS} - set(schema.names)
@@ -461,10 +426,8 @@ def pack_stream(
 ) -> Iterator[dict[str, list]]:
     """Pack a stream of tokenized conversations into rows of at most ``max_tokens`` tokens, on the fly.
 
-    Conversations are read ``buffer_size`` at a time and each buffer is packed with best-fit-decreasing, so
-    memory stays bounded on streaming data sets; a larger buffer packs tighter. Over-long conversations are
-    handled as in ``pack_dataset`` (the pieces of a split conversation are packed within its buffer) and counted
-    in ``stats``; a summary is logged when the stream ends.
+    Each ``buffer_size`` conversations are packed with best-fit-decreasing (bounded memory; a larger buffer packs
+    tighter); over-long ones as in ``pack_dataset``, counted in ``stats`` and logged at the end.
 
     Args:
         examples (iterable of dict): each with ``input_ids`` and ``labels`` (equal-length sequences of ints) and
@@ -477,8 +440,7 @@ def pack_stream(
         stats (``PackingStats``, *optional*): updated in place as the stream is read.
 
     Yields:
-        ``dict`` with ``input_ids``, ``labels`` and ``seq_lengths`` (lists of ints), plus ``seq_targets`` with
-        ``overflow="split"`` and ``seq_weights`` with weights: the row layout of ``pack_dataset``.
+        ``dict``: the row layout of ``pack_dataset``.
 
     Example:
 
@@ -551,10 +513,9 @@ def _pack_buffer(buffer, max_tokens: int, overflow: Overflow, ignore_index: int,
 class PackedIterableDataset(torch.utils.data.IterableDataset):
     """A ``torch.utils.data.IterableDataset`` of packed rows over a stream of tokenized conversations.
 
-    Wraps ``pack_stream`` so a streaming data set can feed a ``DataLoader``. With ``num_workers > 0``, a source
-    that is itself a ``torch.utils.data.IterableDataset`` (as ``datasets.IterableDataset`` is) is trusted to split
-    its examples between the workers; any other iterable is split here, worker ``w`` taking examples
-    ``w, w + num_workers, ...``. ``stats`` holds the counts of the last iteration in this process.
+    ``pack_stream`` for a ``DataLoader``. With ``num_workers > 0`` a ``torch.utils.data.IterableDataset`` source splits
+    its own examples between workers; any other iterable is split here (worker ``w`` takes every
+    ``num_workers``-th from ``w``). ``stats``: the last iteration's counts in this process.
 
     Args:
         source (iterable of dict): conversations with ``input_ids`` and ``labels``.
@@ -588,8 +549,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         source = self.source
         worker = torch.utils.data.get_worker_info()
         if worker is not None and not isinstance(source, torch.utils.data.IterableDataset):
-            # A plain iterable does not know about workers: each takes every num_workers-th conversation, so
-            # none is packed twice.
+            # every num_workers-th conversation, so none is packed twice
             source = itertools.islice(source, worker.id, None, worker.num_workers)
         return pack_stream(
             source, self.max_tokens, overflow=self.overflow, buffer_size=self.buffer_size, stats=self.stats

@@ -1,14 +1,8 @@
 """Context parallelism: one rank's share of a packed batch, with the weights its targets need.
 
-With ring attention (accelerate's and torch's context parallelism) every rank holds a slice of each
-packed row. Causal attention makes late tokens costlier, so the row is cut into ``2 W`` equal chunks and rank
-``r`` takes chunks ``r`` and ``2 W - 1 - r`` ("zig-zag"): each rank gets one cheap and one costly chunk.
-
-A rank then sees part of a conversation and cannot count its targets; the batch carries that count
-(``seq_targets``) from the collator, so each local target gets the weight ``seq_weight / seq_targets[s]`` of
-its conversation and the ranks' weighted sums add up to the loss of the whole batch. The labels are shifted
-before the cut (``shift_labels``, transformers' convention), so the target of a chunk's last token, which
-lies in the next chunk, is not lost.
+Rank ``r`` of ``W`` takes chunks ``r`` and ``2 W - 1 - r`` of ``2 W`` ("zig-zag": one cheap and one costly chunk
+under causal attention). ``seq_targets`` carries each conversation's target count, so the ranks' weighted sums
+add up to the whole batch's loss; labels are shifted before the cut, so no chunk loses its last target.
 """
 
 from __future__ import annotations
@@ -28,25 +22,14 @@ from .columns import (
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
     """The tokens of a packed batch that context-parallel rank ``rank`` of ``world_size`` holds.
 
-    The ``T`` tokens of the row are cut into ``2 * world_size`` chunks of ``C = T / (2 * world_size)`` tokens, and
-    rank ``r`` gets chunks ``r`` and ``2 * world_size - 1 - r``, in that order (zig-zag, balanced for causal ring
-    attention). ``T`` must be a multiple of ``2 * world_size``: collate with
-    ``PackedCollator(pad_to_multiple_of=2 * world_size)`` (or a multiple of it); the padding segment has no
-    target.
-
-    Use the result with ``shift=False``: ``shift_labels[t]`` is the target of local token ``t``. With ``cu_seqlens``
-    and ``seq_targets`` (and ``seq_weights``), `packed_ce.cross_entropy(logits, shard["shift_labels"],
-    cu_seqlens=shard["cu_seqlens"], seq_targets=shard["seq_targets"], is_packed=True, reduction="sum")` on
-    each rank weighs every target exactly as on the whole batch, so the sum over ranks equals the whole
-    batch's ``"sum"`` loss; divide by the whole batch's weight mass (the same on every rank) for the mean.
-    Attention still needs the whole row: the local ``cu_seqlens`` describe the local tokens for the loss, while
-    ring attention works from the global ``position_ids`` returned here.
+    Chunks of ``C = T / (2 * world_size)`` tokens (collate with ``PackedCollator(pad_to_multiple_of=2 * world_size)``).
+    With ``shift=False``, ``cu_seqlens`` and ``seq_targets``, the ``"sum"`` losses of the ranks add up to the whole
+    batch's; divide by its weight mass for the mean. Attention needs the whole row, from the global
+    ``position_ids`` returned here.
 
     Args:
-        batch (``dict``): a packed batch of ``PackedCollator``: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned
-            with ``input_ids``), ``cu_seqlens`` ``(S + 1,)``, and optionally ``position_ids`` ``(1, T)`` (else rebuilt
-            from ``cu_seqlens``), ``seq_targets`` ``(S,)`` (else each sequence's own target count) and
-            ``seq_weights`` ``(S,)``.
+        batch (``dict``): of ``PackedCollator``: ``input_ids``, ``labels`` ``(1, T)``, ``cu_seqlens`` ``(S + 1,)``, optionally
+            ``position_ids``, ``seq_targets``, ``seq_weights``.
         rank (``int``): this rank, in ``[0, world_size)``.
         world_size (``int``): ranks sharing the row.
         ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
@@ -55,12 +38,9 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         ``dict`` on the batch's device:
 
         - ``input_ids`` ``(1, 2C)``, ``position_ids`` ``(1, 2C)`` int64: the local tokens and their global positions.
-        - ``labels`` ``(1, 2C)``: the local tokens' own labels (aligned with ``input_ids``); a model's loss reads
-          ``shift_labels`` when both are given, and needs ``labels`` to compute a loss at all.
-        - ``shift_labels`` ``(1, 2C)`` int64: the target of each local token, ``ignore_index`` at the last token of
-          every sequence (and on padding).
-        - ``cu_seqlens`` ``(S_local + 1,)`` int32: boundaries of the local segments: a new segment starts at each
-          chunk's first token and at each sequence start inside a chunk.
+        - ``labels`` ``(1, 2C)``: the local labels (a model computes a loss only with them, from ``shift_labels``).
+        - ``shift_labels`` ``(1, 2C)`` int64: each local token's target.
+        - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
         - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
         - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.

@@ -1,21 +1,9 @@
 """Chat templates in four common formats, written for this package.
 
-``CHATML_TEMPLATE`` is the template of the default tokenizer (``collators.load_default_tokenizer``). It wraps
-every assistant turn, closing token included, in ``{% generation %}`` markers, so
-``apply_chat_template(..., return_assistant_tokens_mask=True)`` reports the trained tokens directly.
-
-The other three follow the layout of widely used model families and carry no generation markers; they
-exercise the template-agnostic path of ``collators.tokenize_conversation``:
-
-- ``LLAMA3_TEMPLATE``: ``<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>``, tool results under the
-  ``ipython`` role, tool calls as JSON.
-- ``MISTRAL_TEMPLATE``: ``[INST] ... [/INST] answer</s>``; the system prompt is folded into the first user turn;
-  tool calls after ``[TOOL_CALLS]``, results in ``[TOOL_RESULTS] ... [/TOOL_RESULTS]``.
-- ``GEMMA_TEMPLATE``: ``<start_of_turn>user ... <end_of_turn>``, the assistant role is named ``model``, the system
-  prompt is folded into the first user turn; no tool turns (the format has none).
-
-All four render an assistant message's ``tool_calls`` (OpenAI layout:
-``{"type": "function", "function": {"name": ..., "arguments": {...}}}``) with ``tojson``.
+``CHATML_TEMPLATE`` (the default tokenizer's) marks every assistant turn with ``{% generation %}``. The layouts of
+Llama 3 (``LLAMA3_TEMPLATE``), Mistral (``MISTRAL_TEMPLATE``) and Gemma (``GEMMA_TEMPLATE``, no tool turns) carry no
+markers and exercise the template-agnostic path of ``collators.tokenize_conversation``. All render OpenAI-style
+``tool_calls`` with ``tojson``.
 """
 
 CHATML_TEMPLATE = (

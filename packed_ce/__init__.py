@@ -7,12 +7,8 @@ The public surface:
 - :class:`LossOptions` and :class:`ChunkOptions`: the options of both, as one checked object
   (the functions also take them as keywords).
 - :func:`count_normaliser`: what "mean" divides by, for counting a whole optimiser step.
-- :class:`TokenStats`: entropy and top-1 sums over the targets, returned by either loss with
-  ``return_token_stats=True`` from its own read of the logits (for logging).
-- :class:`SequenceLosses`: each sequence's share of the loss and of the weight, returned with
-  ``return_seq_losses=True`` (a loss per data source, from the loss's own pass).
-- :func:`check_pending`: raises the error of a bad label or ``cu_seqlens`` given to an earlier
-  call on CUDA, whose check ran on the device (call it before ``optimizer.step()``).
+- :class:`TokenStats`, :class:`SequenceLosses`: metrics from the loss's own pass.
+- :func:`check_pending`: raises the error of a bad value an earlier call checked on the device.
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
 """
 

@@ -11,28 +11,20 @@ layer gives
     dL/dW = G^T X          (V, N) @ (N, H)  = sum over row chunks c of G_c^T X_c
     dL/db = 1^T G          column sums of G
 
-Every term is a sum over rows, so the rows can be processed in chunks of ``C``: only one
-``(C, V)`` block of logits exists at a time, in a buffer reused by every chunk. Rows without a
-target (``coef == 0``) have ``G_t = 0``: they add nothing to any term and can skip the GEMMs
-altogether, which needs their number on the host (one wait for the device, see
-``drop_ignored_rows``).
+Every term is a sum over rows, so rows go in chunks of ``C``: one ``(C, V)`` logits buffer, reused.
+Rows without a target (``coef == 0``) have ``G_t = 0`` and may skip the GEMMs (their number costs
+one host wait, ``drop_ignored_rows``).
 
-- Reductions "mean" and "sum" (one scalar upstream gradient ``g``): the forward computes the loss
-  and the gradients for ``g = 1`` in the same pass over each chunk (GEMM, kernel writing ``G_c``
-  over ``Z_c`` in place, two GEMMs), and the backward only multiplies them by ``g``, which costs
-  nothing on the device when ``g == 1`` and no host sync ever. FLOPs: ``6 M H V`` for the M
-  rows that go through the GEMMs (M = N unless rows without a target are dropped), as unfused.
-- Reduction "none" (one upstream gradient per row): ``dL/dW = G^T diag(g) X`` cannot be rescaled
-  after the fact, so the forward keeps only the per-row ``lse`` and the backward recomputes each
-  chunk's logits. fp16 inputs take this path for every reduction: their ``G`` must be formed with
-  the loss-scaled upstream gradient, or its small entries flush to zero in fp16. FLOPs: ``8 M H V``.
+- "mean" / "sum" (one scalar upstream ``g``): the forward computes the loss and the gradients for
+  ``g = 1`` in one pass per chunk (GEMM, kernel writing ``G_c`` over ``Z_c``, two GEMMs); the
+  backward rescales by ``g`` (nothing on the device when ``g == 1``, no host sync). ``6 M H V`` FLOPs.
+- "none" (``g`` per row, ``dL/dW = G^T diag(g) X`` cannot be rescaled later), and fp16 for every
+  reduction (its ``G`` must see the loss scale or small entries flush to zero): the forward keeps
+  ``lse``, the backward recomputes each chunk's logits. ``8 M H V`` FLOPs.
 
-Memory beyond the inputs and their gradients: the ``(C, V)`` chunk buffer in the input dtype
-and, when rows are dropped, two ``(C, H)`` blocks (the chunk's gathered rows and their
-gradient), together at most 256 MiB with the default ``C`` (in bf16 at V=128256: 1024 rows, or
-896 rows beside blocks of H=4096), and,
-with ``grad_accumulation_dtype=torch.float32`` and a half-precision weight, the float32
-``(V, H)`` accumulator of ``dL/dW``.
+Extra memory: the ``(C, V)`` buffer and, when dropping rows, two ``(C, H)`` blocks, at most 256 MiB
+together by default; with ``grad_accumulation_dtype=torch.float32`` and a half-precision weight,
+the float32 ``(V, H)`` accumulator of ``dL/dW``.
 
 Dimensions: N tokens, H hidden size, V vocabulary, C rows per chunk, M rows through the GEMMs.
 """
@@ -50,19 +42,14 @@ from .reference import compute_dtype, token_losses, token_stats_rows
 from .targets import Targets
 from .runtime import check_first_order, is_tracing
 
-# Bytes of one chunk of logits. 256 MiB is 1024 rows at V=128256 in bf16: the GEMMs keep
-# M = C >= 1024 rows (full tiles, efficient), while the chunk stays a small fraction of the
-# (N, V) logits it replaces (2 GiB at N=8192).
+# Bytes of one chunk of logits: 1024 rows at V=128256 in bf16 (full GEMM tiles), an eighth of
+# the (N, V) logits at N=8192.
 CHUNK_BYTES = 256 * 2**20
 # Chunks are a multiple of this many rows, so that every GEMM but the last one runs whole tiles.
 CHUNK_ROW_MULTIPLE = 128
-# N * H * V from which drop_ignored_rows=None leaves the rows without a target out of the GEMMs
-# on a GPU. Counting them makes the host wait for the device once; the device then idles while
-# the host enqueues the rest of the call: 0.1-0.6 ms on an H100 (torch 2.11), the gap between
-# dropping and keeping rows where dropping saves little (every row with a target, or the
-# smallest shapes). With 22% of the rows without a target, dropping them broke even at
-# N*H*V = 2**38 (4096 x 2048 x 32000) and saved 16% at 2**41 (8192 x 2048 x 128256). 2**40
-# keeps a margin: e.g. 8192 rows, H=2048, V=65536.
+# N * H * V from which drop_ignored_rows=None drops rows on a GPU. The count costs one host wait
+# (the device idles 0.1-0.6 ms on an H100); with 22% of rows without a target dropping broke
+# even at 2**38 and saved 16% at 2**41: 2**40 keeps a margin.
 DROP_MIN_WORK = 2**40
 
 
@@ -105,11 +92,8 @@ class _ChunkLoss:
     """How one backend computes the loss and ``dL/dZ`` of a chunk of logits.
 
     forward(z, targets, coef, write_grad, stats) -> (loss, z_term, lse), each ``(C,)``; with
-        ``write_grad`` it overwrites ``z`` with ``dL/dZ`` for an upstream gradient of 1; a
-        ``(C, 3)`` fp32 ``stats`` (or None) receives each row's entropy and top-1 hit in its first
-        two columns (the torch backend: only with ``return_token_stats``, the one reader).
-    backward(z, targets, coef, lse, grad_rows): overwrites ``z`` with ``dL/dZ`` for the per-row
-        upstream gradients ``grad_rows`` ``(C,)``.
+        ``write_grad`` ``z`` becomes ``dL/dZ`` for ``g = 1``; ``stats`` ``(C, 3)`` or None.
+    backward(z, targets, coef, lse, grad_rows): ``z`` becomes ``dL/dZ`` for ``grad_rows`` ``(C,)``.
     scale(grad, g): ``grad *= g`` in place for a 2-D ``grad`` and a 0-d device ``g``.
     """
 
@@ -119,16 +103,16 @@ class _ChunkLoss:
 
 
 def _triton_chunk_loss(options: LossOptions) -> _ChunkLoss:
-    from .kernels.cross_entropy import launch_backward, launch_forward, scale_in_place
+    from .kernels.cross_entropy import launch, scale_in_place
 
     floats = options.kernel_floats
 
     def forward(z, targets, coef, write_grad, stats):
         # the kernel reads each element of a row before writing its gradient: in place is safe
-        return launch_forward(z, targets, coef, z if write_grad else None, floats, stats=stats)
+        return launch(z, targets, coef, floats, grad=z if write_grad else None, stats=stats)
 
     def backward(z, targets, coef, lse, grad_rows):
-        launch_backward(z, z, targets, coef, lse, grad_rows.float(), floats)
+        launch(z, targets, coef, floats, lse=lse, grad=z, grad_rows=grad_rows.float())
 
     return _ChunkLoss(forward=forward, backward=backward, scale=scale_in_place)
 
@@ -203,9 +187,7 @@ def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate
 class _Chunks:
     """The rows that go through the GEMMs, ``size`` at a time.
 
-    Rows without a target (``coef == 0``: ignored labels, prompts, the last token of a sequence
-    under ``shift``) have a zero loss and a zero gradient row, so they can be left out of every
-    GEMM; the result is the same. ``rows`` lists the others, or is None to take every row.
+    Rows without a target (``coef == 0``) add nothing and may be left out of every GEMM.
 
     Attributes:
         n: N, the number of rows.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -9,7 +11,7 @@ from .options import Boundaries, LossOptions, changed_fields, split_keywords
 from .pipeline import run_loss
 from .reference import loss_from_targets, token_stats_rows
 from .runtime import resolve_backend
-from .validation import check_tensor
+from .validation import check_tensor, checked_boundaries
 
 
 def cross_entropy(
@@ -26,10 +28,8 @@ def cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Cross entropy that can average per packed sequence instead of per token.
 
-    The loss is ``sum_t w_t l_t`` ("sum"), divided by ``D`` ("mean"), or ``w_t l_t`` per token
-    ("none"): each target's cross entropy ``l_t`` (label smoothing, z-loss, softcap) weighted per
-    token (``is_packed=False``) or per sequence (``is_packed=True``), as docs/reference.md ("The
-    loss, exactly") defines them.
+    ``sum_t w_t l_t`` ("sum"), over ``D`` ("mean"), or ``w_t l_t`` per token ("none"), weighted per
+    token or per sequence (``is_packed``): docs/reference.md, "The loss, exactly".
 
     Args:
         logits: ``(N, V)`` or ``(B, T, V)``, float32/bfloat16/float16 (float64 with
@@ -40,10 +40,9 @@ def cross_entropy(
             wherever ``position_ids[t] != position_ids[t-1] + 1``).
         num_items_in_batch: the global ``D`` (int or 0-d tensor) of an optimiser step that spans
             micro-batches or processes (:func:`packed_ce.count_normaliser`).
-        seq_targets: ``(S,)`` integer, the targets of each sequence's whole conversation
-            (``is_packed=True``). seq_weights: ``(S,)`` float, each conversation's weight, of any scale
-            ("mean" divides them by ``D`` in float64 first). Both
-            aligned with ``cu_seqlens`` (:class:`packed_ce.options.Boundaries`).
+        seq_targets: ``(S,)`` integer, the targets of each sequence's whole conversation.
+            seq_weights: ``(S,)`` float, each conversation's weight, any scale. Both aligned with
+            ``cu_seqlens`` (:class:`packed_ce.options.Boundaries`).
         options, **keywords: a :class:`packed_ce.LossOptions` and/or its fields (explained there).
 
     Returns:
@@ -65,46 +64,32 @@ def cross_entropy(
         tensor(1.3863)
     """
     options, _ = split_keywords(keywords, options)
-    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
-    return _cross_entropy(logits, labels, boundaries, options)
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
+    )
+    return cross_entropy_call(logits, labels, boundaries, options)
 
 
-def _cross_entropy(
+def cross_entropy_call(
     logits: torch.Tensor, labels: torch.Tensor, boundaries: Boundaries, options: LossOptions
 ):
-    """:func:`cross_entropy` once its keywords are objects (the modules call it directly)."""
+    """:func:`cross_entropy` with its keywords as objects."""
     check_tensor("logits", logits)
     backend = resolve_backend(options.backend, logits)
     if options.inplace_backward and not logits.is_contiguous():
-        # an expanded (stride-0) or overlapping view would receive several rows' gradients in
-        # one place, and a strided one would be copied (nothing written where the caller looks)
+        # an overlapping view would mix rows' gradients; a strided one is copied (unwritten)
         raise ValueError(
             "inplace_backward=True writes the gradient into the storage of logits, which must "
             f"be contiguous (got shape {tuple(logits.shape)}, strides {logits.stride()}): "
             "pass logits.contiguous() or inplace_backward=False"
         )
-
-    def run(prepared, stats):
-        if backend == "torch":
-            if options.return_token_stats:  # its own pass over (N, V): only when asked for
-                flat = logits.reshape(-1, logits.shape[-1])
-                stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
-            return loss_from_targets(logits, prepared, options, stats)
+    if backend == "torch":
+        run = functools.partial(_torch_rows_loss, logits, options)
+    else:
         from .kernels.cross_entropy import triton_cross_entropy
 
-        rows = logits.reshape(-1, logits.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return triton_cross_entropy(
-            rows,
-            prepared.targets,
-            prepared.coef,
-            options.kernel_floats,
-            reduce=options.reduction != "none",
-            inplace_backward=options.inplace_backward,
-            stats=stats,
-        )
-
+        # a partial, not a closure: run_loss calls the kernel's entry point directly
+        run = functools.partial(triton_cross_entropy, logits, options)
     return run_loss(
         run,
         labels,
@@ -117,12 +102,19 @@ def _cross_entropy(
     )
 
 
+def _torch_rows_loss(logits: torch.Tensor, options: LossOptions, prepared, stats):
+    """The ``run`` of :func:`packed_ce.pipeline.run_loss` on the PyTorch reference."""
+    if options.return_token_stats:  # its own pass over (N, V): only when asked for
+        flat = logits.reshape(-1, logits.shape[-1])
+        stats[:, :2] = token_stats_rows(flat, prepared.targets, options)
+    return loss_from_targets(logits, prepared, options, stats)
+
+
 class PackedCrossEntropyLoss(nn.Module):
     """Module form of :func:`cross_entropy`: holds the keyword options.
 
     Args:
-        **options: the fields of :class:`packed_ce.LossOptions` (the keywords of
-            :func:`cross_entropy` except the tensors), checked here, once.
+        **options: the fields of :class:`packed_ce.LossOptions`, checked here, once.
 
     Example:
         >>> loss_fn = PackedCrossEntropyLoss(is_packed=True, shift=True)
@@ -149,10 +141,10 @@ class PackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        boundaries = Boundaries(
+        boundaries = checked_boundaries(
             cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
         )
-        return _cross_entropy(logits, labels, boundaries, self.options)
+        return cross_entropy_call(logits, labels, boundaries, self.options)
 
     def extra_repr(self) -> str:
         return changed_fields(self.options)

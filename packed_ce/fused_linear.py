@@ -1,8 +1,5 @@
-"""``fused_linear_cross_entropy``: the LM head and the packed loss without the ``(N, V)`` logits.
-
-The public function and module; the chunked algorithm (forward, backward, memory and FLOPs) is
-in :mod:`packed_ce.chunks`.
-"""
+"""``fused_linear_cross_entropy``: the LM head and the packed loss without the ``(N, V)`` logits
+(the chunked algorithm: :mod:`packed_ce.chunks`)."""
 
 from __future__ import annotations
 
@@ -12,10 +9,10 @@ import torch
 from torch import nn
 
 from .chunks import chunked_loss
-from .options import Boundaries, ChunkOptions, LossOptions, changed_fields, split_keywords
+from .options import ChunkOptions, LossOptions, changed_fields, split_keywords
 from .pipeline import run_loss
 from .runtime import resolve_backend
-from .validation import allowed_dtypes, check_linear, check_tensor
+from .validation import allowed_dtypes, check_linear, check_tensor, checked_boundaries
 
 
 def _autocast(hidden, weight, bias):
@@ -48,15 +45,9 @@ def fused_linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """:func:`packed_ce.cross_entropy` of ``hidden @ weight.T + bias``, never forming the logits.
 
-    Same value and same gradients for ``hidden``, ``weight`` and ``bias`` as
-    ``cross_entropy(F.linear(hidden, weight, bias), labels, ...)`` for every option, exact (no
-    gradient is skipped), while only one chunk of ``chunk_size`` rows of logits exists at a time.
-    For "mean" and "sum" the gradients are computed during the forward and the backward only
-    rescales them by the upstream gradient (free when it is 1); "none" recomputes each chunk's
-    logits in the backward (``8 N H V`` FLOPs instead of ``6 N H V``). Rows without a target
-    skip the GEMMs where that pays (``drop_ignored_rows``, one host sync per call, by default
-    from ``N * H * V >= 2**40`` on a GPU); no host sync otherwise (on CUDA ``validate`` checks
-    on the device, see :func:`packed_ce.check_pending`).
+    The value and gradients (``hidden``, ``weight``, ``bias``) of
+    ``cross_entropy(F.linear(hidden, weight, bias), labels, ...)``, exactly, for every option,
+    with one chunk of ``chunk_size`` rows of logits at a time (:mod:`packed_ce.chunks`).
 
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``, float32/bfloat16/float16 (float64 too with
@@ -67,26 +58,16 @@ def fused_linear_cross_entropy(
         bias: ``(V,)`` or None.
         cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights: as in
             :func:`packed_ce.cross_entropy` (the weights ``w_t`` and the normaliser ``D``).
-        options: a :class:`packed_ce.LossOptions`, as in :func:`packed_ce.cross_entropy`
-            (``inplace_backward`` has no effect here: the logits are internal and their chunk
-            buffer always receives the gradient in place; ``backend="torch"`` runs the same
-            chunked algorithm with the PyTorch reference's per-token loss, differentiated by
-            autograd on each upcast chunk).
-        chunk_options: a :class:`packed_ce.ChunkOptions`.
-        **keywords: the fields of :class:`packed_ce.LossOptions` and of
-            :class:`packed_ce.ChunkOptions` (explained there); they override the objects' fields.
+        options, chunk_options, **keywords: a :class:`packed_ce.LossOptions`, a
+            :class:`packed_ce.ChunkOptions` and/or their fields (``inplace_backward`` has no
+            effect: the chunk buffer always takes the gradient in place).
 
     Returns:
-        As :func:`packed_ce.cross_entropy`: the float32 loss (float64 for float64 inputs on the
-        torch backend), 0-d for "mean"/"sum" or ``labels``-shaped for "none", and with
-        ``return_z_loss`` the pair ``(loss, z_loss)``, with ``return_token_stats`` a
-        :class:`packed_ce.TokenStats` after them, computed by the kernel from each chunk of
-        logits it reads for the loss (no extra GEMM). Gradients have their inputs' dtypes.
+        As :func:`packed_ce.cross_entropy`; gradients have their inputs' dtypes.
 
     Raises:
-        As :func:`packed_ce.cross_entropy`, and for mismatched ``hidden``/``weight``/``bias``
-        shapes, dtypes or devices; RuntimeError for a second backward and for
-        ``create_graph=True`` on both backends (the gradients are computed outside autograd).
+        As :func:`packed_ce.cross_entropy`, and for mismatched ``hidden``/``weight``/``bias``;
+        RuntimeError for a second backward or ``create_graph=True`` on either backend.
 
     Example:
         >>> import torch, packed_ce
@@ -102,13 +83,14 @@ def fused_linear_cross_entropy(
     options, chunk_options = split_keywords(
         keywords, options, chunked=True, chunk_options=chunk_options
     )
-    boundaries = Boundaries(cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights)
-    return _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options)
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
+    )
+    return fused_linear_call(hidden, weight, labels, bias, boundaries, options, chunk_options)
 
 
-def _fused_linear(hidden, weight, labels, bias, boundaries, options, chunk_options):
-    """:func:`fused_linear_cross_entropy` once its keywords are objects (the module calls it
-    directly)."""
+def fused_linear_call(hidden, weight, labels, bias, boundaries, options, chunk_options):
+    """:func:`fused_linear_cross_entropy` with its keywords as objects."""
     check_tensor("hidden", hidden)
     check_tensor("weight", weight)
     check_tensor("bias", bias, optional=True)
@@ -142,10 +124,8 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
     """Module form of :func:`fused_linear_cross_entropy`: holds the keyword options.
 
     Args:
-        **options: the fields of :class:`packed_ce.LossOptions` and :class:`packed_ce.ChunkOptions`
-            (the keywords of :func:`fused_linear_cross_entropy` except the tensors: ``bias``,
-            ``cu_seqlens``, ``position_ids``, ``num_items_in_batch``, ``seq_targets`` and
-            ``seq_weights`` go to ``forward``).
+        **options: the fields of :class:`packed_ce.LossOptions` and :class:`packed_ce.ChunkOptions`;
+            the tensors go to ``forward``.
 
     Example:
         >>> loss_fn = FusedLinearPackedCrossEntropyLoss(is_packed=True, shift=True)
@@ -172,10 +152,10 @@ class FusedLinearPackedCrossEntropyLoss(nn.Module):
         seq_targets: torch.Tensor | None = None,
         seq_weights: torch.Tensor | None = None,
     ):
-        boundaries = Boundaries(
+        boundaries = checked_boundaries(
             cu_seqlens, position_ids, num_items_in_batch, seq_targets, seq_weights
         )
-        return _fused_linear(
+        return fused_linear_call(
             hidden, weight, labels, bias, boundaries, self.options, self.chunk_options
         )
 

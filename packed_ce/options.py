@@ -1,14 +1,7 @@
-"""What a loss call is configured with, declared once.
-
-- :class:`LossOptions`: every non-tensor option of :func:`packed_ce.cross_entropy` (and of
-  :func:`packed_ce.fused_linear_cross_entropy`), validated once when it is built.
-- :class:`ChunkOptions`: the options that only the fused LM head + loss has.
-- :class:`Boundaries`: the per-call tensors that go with the labels (where sequences start, what
-  the mean divides by). They change with every batch, so they are arguments, never options.
-
-The public functions take the options as keywords (``cross_entropy(..., is_packed=True)``) or as
-an object (``options=LossOptions(is_packed=True)``); :func:`split_keywords` turns keywords into
-these objects, so a new option is one field here and nothing else in the call chain.
+"""What a loss call is configured with, declared once: :class:`LossOptions` (validated when
+built), :class:`ChunkOptions` (the fused head's own) and :class:`Boundaries` (the per-call
+tensors). :func:`split_keywords` turns keywords into the objects, so a new option is one field
+here.
 """
 
 from __future__ import annotations
@@ -57,41 +50,27 @@ class LossOptions:
     """The options of the packed cross entropy: validated once, then read by every layer.
 
     Attributes:
-        is_packed: weight a target of sequence ``s`` by ``1 / n_s`` (``n_s`` = targets in ``s``),
-            so "mean" is the mean over sequences of their mean token loss; needs ``cu_seqlens``
-            or ``position_ids``. The weights and the normaliser ``D``: :mod:`packed_ce.targets`.
-        shift: ``labels`` are aligned with the inputs (transformers' causal-LM convention): the
-            target of ``logits[t]`` is ``labels[t+1]`` if ``t+1`` is in the same sequence (or
-            row, without boundaries), else none. Never crosses a sequence boundary.
+        is_packed: weight a target of sequence ``s`` by ``1 / n_s``: "mean" is the mean over
+            sequences of their mean token loss; needs ``cu_seqlens`` or ``position_ids``.
+        shift: ``labels`` aligned with the inputs: the target of ``logits[t]`` is ``labels[t+1]``
+            if ``t+1`` is in the same sequence, else none.
         ignore_index: label value that is not a target (0 loss, 0 gradient).
-        reduction: "mean" (``sum / D``, ``D`` = ``num_items_in_batch`` or
-            :func:`packed_ce.count_normaliser`; ``D == 0`` gives loss 0 and zero gradients),
-            "sum", or "none" (per token, ``labels``-shaped, summing to "sum").
+        reduction: "mean" (``sum / D``; ``D == 0`` gives loss 0 and zero gradients), "sum", or
+            "none" (``labels``-shaped, summing to "sum").
         label_smoothing: ``eps`` in ``[0, 1]``, PyTorch's meaning.
         z_loss_scale: weight (``>= 0``) of ``lse**2`` in each token's loss.
         softcap: None, or ``c > 0``: logits pass through ``c * tanh(x / c)`` first.
-        return_z_loss: also return the z-term, reduced like the loss, detached (for logging;
-            it is already included in the loss).
-        return_token_stats: also return a :class:`packed_ce.TokenStats`: the sums, over the
-            rows with a target, of each row's softmax entropy and top-1 hit, and their number,
-            from the loss's own read of the logits (no second pass), detached, whatever the
-            reduction.
-        return_seq_losses: also return a :class:`packed_ce.SequenceLosses`: each sequence's
-            share of the loss (``sum_t coef_t l_t`` over its targets, which add up to the loss)
-            and of the weight (``sum_t coef_t``), from the same pass as the loss, detached; their
-            ratio is the sequence's mean token loss (for a loss per data source, say).
-        inplace_backward: the kernel may write the gradient into the storage of ``logits``,
-            which then no longer hold the logits (saves one ``(N, V)`` buffer). With False the
-            input is never modified. No effect on the fused loss, whose logits are internal.
-        backend: "triton" (the kernel; on CPU tensors through the Triton interpreter when
-            ``TRITON_INTERPRET=1``), "torch" (the PyTorch reference), or "auto" (the kernel on
-            CUDA, the reference elsewhere).
-        validate: check the values (label range, the contents of ``cu_seqlens``,
-            ``seq_targets``, ``seq_weights`` and of a tensor ``num_items_in_batch``); a bad one
-            raises a ValueError naming it, inside the call or at the next one
-            (:func:`packed_ce.check_pending` says when). With False nothing is checked and only
-            memory safety is promised (no out-of-bounds access, no device assert, no hang): the
-            result of a call with invalid values is unspecified, and may differ by backend.
+        return_z_loss: also return the z-term (included in the loss), detached.
+        return_token_stats: also return a :class:`packed_ce.TokenStats` from the same pass.
+        return_seq_losses: also return a :class:`packed_ce.SequenceLosses` from the same pass.
+        inplace_backward: the gradient may be written into the storage of ``logits`` (one
+            ``(N, V)`` buffer saved); with False the input is never modified.
+        backend: "triton" (on CPU through the interpreter, ``TRITON_INTERPRET=1``), "torch"
+            (the reference) or "auto" (the kernel on CUDA, the reference elsewhere).
+        validate: check the values (labels, boundaries, weights, a tensor
+            ``num_items_in_batch``), raising a ValueError naming the bad one now or at the next
+            call (:func:`packed_ce.check_pending`). False promises only memory safety: the result
+            of invalid values is unspecified.
 
     Raises:
         TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out
@@ -162,28 +141,16 @@ class ChunkOptions:
     """The options of :func:`packed_ce.fused_linear_cross_entropy` beyond :class:`LossOptions`.
 
     Attributes:
-        grad_accumulation_dtype: dtype of the running sum ``dL/dW = sum_c G_c^T X_c`` over
-            chunks. None (default): the weight's dtype, no memory beyond ``dL/dW`` itself; with
-            a bf16 weight the sum is rounded to bf16 after each of the ``ceil(N / chunk_size)``
-            chunks (8 significant bits, up to ``2**-9`` relative per rounding) where the unfused
-            GEMM rounds once. ``torch.float32``: one rounding at the end, as unfused, for an
-            extra ``V * H * 4`` bytes while the forward runs (2 GiB at V=128256, H=4096) and
-            twice the accumulator traffic per chunk. Never narrower than the weight's dtype.
-        chunk_size: rows of logits per chunk; default at most 256 MiB per chunk (1024 rows
-            at V=128256 in bf16; fewer when rows are dropped, whose gathered ``(C, H)`` rows
-            and gradient count too). Larger chunks use more memory and run the GEMMs on larger
-            tiles.
-        drop_ignored_rows: leave the rows without a target (``ignore_index``, the last token of
-            each sequence under ``shift``, and every row when ``D == 0``) out of the GEMMs. The
-            result is the same (their loss and gradient are 0) and the work shrinks by their
-            share, typically the prompts in supervised fine-tuning, but the host waits for the
-            device once per call to learn their number. None (default): drop them where that
-            wait pays, see :func:`packed_ce.chunks.drops_rows`: on CPU always, on a GPU from
-            ``N * H * V >= 2**40`` on (for example 8192 rows, H=2048, V=65536: GEMMs of about
-            9 ms on an H100, where the wait costs 0.1-0.6 ms), and never while tracing
-            (torch.compile, CUDA-graph capture) or when ``torch.cuda.set_sync_debug_mode``
-            asks to hear of host syncs. False: never (no host sync at all). True: always,
-            except while tracing.
+        grad_accumulation_dtype: dtype of the running ``dL/dW = sum_c G_c^T X_c``. None: the
+            weight's (a bf16 sum is rounded after every chunk, up to ``2**-9`` relative each).
+            ``torch.float32``: one rounding, as unfused, for ``V * H * 4`` extra bytes (2 GiB
+            at V=128256, H=4096). Never narrower than the weight's dtype.
+        chunk_size: rows of logits per chunk; default: at most 256 MiB per chunk.
+        drop_ignored_rows: leave rows without a target out of the GEMMs (same result, less
+            work, one host wait per call). None: where the wait pays
+            (:func:`packed_ce.chunks.drops_rows`: CPU, or ``N * H * V >= 2**40`` on a GPU, where
+            GEMMs of ~9 ms dwarf a 0.1-0.6 ms wait), never while tracing or under
+            ``torch.cuda.set_sync_debug_mode``. False: never. True: always, except tracing.
     """
 
     grad_accumulation_dtype: torch.dtype | None = None
@@ -207,27 +174,16 @@ class ChunkOptions:
 
 @dataclass(frozen=True)
 class Boundaries:
-    """The per-call tensors beside ``logits`` and ``labels``; see the contract's conventions.
-
-    Checked against the labels by :func:`packed_ce.validation.check_arguments` (types, shapes,
-    devices) and :func:`packed_ce.validation.check_values` (contents), never here: they change
-    with every batch and may live on the GPU.
+    """The per-call tensors beside ``logits`` and ``labels`` (the contract's conventions), checked
+    by :mod:`packed_ce.validation`, never here.
 
     Attributes:
-        cu_seqlens: ``(S+1,)`` int32/int64 on the labels' device, ``0 = c_0 <= ... <= c_S = N``;
-            sequence ``s`` is tokens ``[c_s, c_{s+1})`` of the flattened ``N = B*T`` tokens.
-        position_ids: instead of ``cu_seqlens``, ``N`` entries; a sequence starts at token 0 of
-            each row and wherever ``position_ids[t] != position_ids[t-1] + 1``.
-        num_items_in_batch: the global ``D`` (an int or a 0-d tensor) when one optimiser step
-            spans several micro-batches or processes.
-        seq_targets: ``(S,)`` integer, aligned with ``cu_seqlens`` (which it needs): the number
-            of targets of the whole conversation each sequence belongs to (a conversation split
-            across rows or context-parallel ranks), ``>= 1`` and ``>=`` the sequence's own
-            count. Only with ``is_packed=True``: a target of ``s`` weighs
-            ``1 / seq_targets[s]`` instead of ``1 / n_s``.
-        seq_weights: ``(S,)`` float, aligned with ``cu_seqlens`` (which it needs), finite and
-            ``>= 0``: each sequence's conversation weight, multiplying ``w_t`` of its targets.
-            Data, not a parameter: it must not require a gradient.
+        cu_seqlens: ``(S+1,)`` int32/int64, ``0 = c_0 <= ... <= c_S = N``.
+        position_ids: instead, ``N`` entries; a sequence starts wherever they do not count up.
+        num_items_in_batch: the global ``D`` (an int or a 0-d tensor).
+        seq_targets: ``(S,)`` integer, ``>= 1`` and ``>= n_s``: the targets of each sequence's
+            whole conversation; a target of ``s`` weighs ``1 / seq_targets[s]`` (``is_packed``).
+        seq_weights: ``(S,)`` float, finite, ``>= 0``, no gradient: each conversation's weight.
     """
 
     cu_seqlens: torch.Tensor | None = None

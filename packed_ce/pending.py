@@ -91,28 +91,21 @@ def discard_pending() -> int:
 def check_pending() -> None:
     """Raises the ``ValueError`` of any bad value given to an earlier loss call.
 
-    When values are checked: types, shapes, dtypes, devices, the options and a Python-number
-    ``num_items_in_batch`` always, on the host, for free. The values on the device (label range,
-    ``cu_seqlens`` contents, a tensor ``num_items_in_batch``, ``seq_targets`` / ``seq_weights``)
-    only with ``validate=True``, and never while tracing (torch.compile, CUDA-graph capture):
-    on the CPU and with ``backend="torch"`` inside the call (one host sync on CUDA); on CUDA with
-    the kernel on the device, without waiting for it, so a bad value cannot raise inside the call
-    that received it: that call's loss and gradients are NaN, and the error is raised at the start
-    of the next loss call or here, whichever comes first. Call it between ``loss.backward()`` and
-    ``optimizer.step()``, and no step ever trains on bad input::
+    Metadata and options are always checked, on the host. Tensor values (labels, boundaries,
+    weights, a tensor ``num_items_in_batch``) only with ``validate=True`` and not while tracing:
+    inside the call on the CPU or with ``backend="torch"``; on CUDA with the kernel on the device,
+    without waiting, so the bad call's loss is NaN and its error comes at the next loss call or
+    here. Call it before ``optimizer.step()`` and no step trains on bad input::
 
         loss = packed_ce.cross_entropy(logits, labels, cu_seqlens=cu_seqlens, is_packed=True)
         loss.backward()
         packed_ce.check_pending()  # raises here if labels or cu_seqlens were bad
         optimizer.step()
 
-    It waits for the device only up to the checks of the last loss call, which are queued before
-    its loss kernel: normally long finished. Checks still pending when the interpreter exits are
-    reported as a warning.
+    Checks still pending at exit are reported as a warning.
 
     Raises:
-        ValueError: with the message the call itself would have raised, for the first failed
-            check (in call order); every pending check is consumed.
+        ValueError: the first failed check's message (in call order); all are consumed.
     """
     # Compiling first: torch.compile then never reads (nor guards on) the queue. An empty queue
     # next: the capture test would initialise CUDA in a process that never used it.

@@ -1,22 +1,7 @@
 """The one front door of :func:`packed_ce.cross_entropy` and
-:func:`packed_ce.fused_linear_cross_entropy`: check, prepare targets, run, reshape, validate.
-
-Both losses are ``sum_t coef[t] * l_t`` over the rows of some logits; they differ only in how
-the rows are computed (given logits, or chunks of ``hidden @ weight.T + bias``). Everything
-else, in this order, is :func:`run_loss`:
-
-1. the value checks of earlier calls still pending are read, and raise if one failed
-   (:func:`packed_ce.check_pending`, which says when values are checked);
-2. the tensors' metadata is checked (:func:`packed_ce.validation.check_arguments`; the options
-   were checked when their :class:`packed_ce.options.LossOptions` was built);
-3. targets and coefficients are prepared (:func:`packed_ce.targets.prepare_targets`);
-4. with ``validate``, the values are checked (:func:`packed_ce.validation.check_values`): now,
-   or on the device for the kernel on CUDA, where a failure makes the coefficients NaN;
-5. the caller's ``run`` computes the loss and z-term from the coefficients (and, with
-   ``return_token_stats`` or ``return_seq_losses``, fills the per-row stats buffer in the same
-   pass);
-6. "none" is reshaped to the labels' shape; the stats are summed over the targets, or over each
-   sequence's targets.
+:func:`packed_ce.fused_linear_cross_entropy`, which differ only in how the rows of logits are
+computed: pending checks read, metadata checked, targets prepared, values checked (now, or on
+the device), the caller's ``run``, "none" reshaped, stats summed.
 """
 
 from __future__ import annotations
@@ -48,23 +33,14 @@ def run_loss(
     """The loss of one call, whatever computes its rows.
 
     Args:
-        run: ``(prepared, stats) -> (loss, z_loss)``: 0-d sums for "mean"/"sum", ``(N,)`` rows
-            for "none"; ``stats`` is None, or with ``options.return_token_stats`` or
-            ``options.return_seq_losses`` an ``(N, 3)`` float32 buffer of zeros that ``run``
-            fills with each row's entropy, top-1 hit and ``coef_t * l_t`` (at least in the rows
-            whose coefficient is nonzero).
-        labels: ``(N,)`` or ``(B, T)`` integer labels.
-        boundaries: the call's per-call tensors. options: its options.
-        backend: "triton" or "torch" (:func:`packed_ce.runtime.resolve_backend`).
-        logits_shape: ``(N, V)`` or ``(B, T, V)``, of the logits the rows are (or would be).
-        dtype, device: of those logits (float64 means float64 arithmetic on the torch backend).
-        name: how the logits are called in error messages.
+        run: ``(prepared, stats) -> (loss, z_loss)``: 0-d sums, or ``(N,)`` rows for "none";
+            ``stats`` None or an ``(N, 3)`` float32 zeros buffer ``run`` fills where ``coef != 0``
+            with entropy, top-1 hit and ``coef_t * l_t``.
+        labels, boundaries, options: the call's. backend: "triton" or "torch".
+        logits_shape, dtype, device: of the logits the rows are (or would be), called ``name``.
 
     Returns:
-        The loss, 0-d for "mean"/"sum", ``labels``-shaped for "none"; then ``z_loss`` (shaped
-        like the loss) with ``options.return_z_loss``, then a :class:`packed_ce.TokenStats`
-        with ``options.return_token_stats``, then a :class:`packed_ce.SequenceLosses` with
-        ``options.return_seq_losses``: ``loss`` alone, or a tuple in that order.
+        ``loss``, or ``(loss, z_loss, TokenStats, SequenceLosses)`` as far as the options ask.
     """
     check_pending()
     check_arguments(

@@ -1,10 +1,8 @@
 """The value record: what the value checks of one loss call found, as named int64 fields.
 
-A record is enough to write the error message without the tensors, so it can be computed on the
-device and read by the host later. :func:`encode` computes it with PyTorch ops (the checks of the
-CPU and torch-backend path, and the reference of the device kernel
-:mod:`packed_ce.kernels.checks`, which writes one row per block of labels); :func:`message` reads
-any number of rows. No Triton here: the kernel imports the field numbers from this module.
+Enough to write the error message without the tensors, so it can be computed on the device and
+read later. :func:`encode` (PyTorch; the reference of :mod:`packed_ce.kernels.checks`) writes it,
+:func:`message` reads any number of rows.
 
 Dimensions: N tokens, S sequences.
 """
@@ -64,10 +62,8 @@ def own_targets(
 ) -> torch.Tensor:
     """``n_s``, the targets of each sequence ``[c_s, c_{s+1})``: ``(S,)`` int64.
 
-    From a prefix count, independently of :mod:`packed_ce.targets`: under ``shift`` the targets
-    of ``s`` are ``labels[c_s + 1 : c_{s+1}]``, else ``labels[c_s : c_{s+1}]``. Indices are
-    clamped to ``[0, N]``: a malformed ``cu_seqlens`` (reported in the same record) reads
-    nothing out of range.
+    From a prefix count, independently of :mod:`packed_ce.targets`; indices clamped to ``[0, N]``
+    for a malformed ``cu_seqlens`` (reported in the same record).
     """
     has_target = (labels.reshape(-1) != ignore_index).to(torch.int64)
     prefix = torch.nn.functional.pad(torch.cumsum(has_target, 0), (1, 0))  # (N+1,)

@@ -1,11 +1,5 @@
-"""The pure-PyTorch cross entropy: the definition the kernels are tested against.
-
-Written for clarity, not speed: logits are upcast (float64 stays float64, everything else
-becomes float32), the per-token loss is the contract's formula, and autograd provides the
-gradient. With :func:`packed_ce.targets.prepare_targets` (its PyTorch path) it is the torch
-backend (the CPU path of ``backend="auto"``) and, chunk by chunk, the torch backend of the fused
-loss.
-"""
+"""The pure-PyTorch cross entropy the kernels are tested against, and the torch backend: logits
+upcast (float64 stays float64, else float32), the contract's formula, autograd's gradient."""
 
 from __future__ import annotations
 
@@ -35,15 +29,11 @@ def token_losses(
         coef: ``(N,)`` the rows' loss coefficients, or None: a row whose coefficient is 0 (its
             sequence weighs 0) counts as one without a target.
 
-    A ``-inf`` logit (a masked entry) is an exact zero of the softmax: finite loss and zero
-    gradient there, as ``F.cross_entropy`` gives; with ``label_smoothing > 0`` the loss of its
-    row is ``+inf`` (the smoothing term averages every logit), with the finite gradient
-    ``eps * (p_j - 1 / V)``. A row without a target is never read, as in the kernel: its NaN or
-    infinite logits give 0 and a zero gradient, not a NaN through ``0 * nan``.
+    A ``-inf`` logit has zero probability and gradient (with ``label_smoothing > 0`` its row's
+    loss is ``+inf``); a row without a target is never read, as in the kernel.
 
     Returns:
-        ``(l, z)``, both ``(N,)`` in the compute dtype (float64 for float64 logits, else
-        float32), with ``l`` including the z-term and both 0 where there is no target.
+        ``(l, z)``, ``(N,)`` in the compute dtype, ``l`` including ``z``, 0 without a target.
     """
     valid = targets != options.ignore_index
     if coef is not None:
@@ -62,9 +52,8 @@ def token_losses(
     eps = options.label_smoothing
     # l_t = (1 - eps) * (lse - x[y]) + eps * (lse - mean_j x[j]) + z * lse^2
     loss = lse - x_target
-    # Each term only where its weight is nonzero: with a -inf logit (a masked vocabulary entry)
-    # lse - mean_j x[j] is +inf, and 0 * inf would turn the finite loss of eps == 0 into NaN.
-    # With eps > 0 the loss is +inf, as the formula says (the kernel gives the same).
+    # each term only where its weight is nonzero: with a -inf logit lse - mean_j x[j] is +inf,
+    # and 0 * inf would make the finite loss of eps == 0 NaN
     if eps != 0.0:
         loss = (1.0 - eps) * loss + eps * (lse - x.mean(dim=-1))
     # only when asked for, as in the kernel: logits of ~2e19 square to inf in float32, and
@@ -88,9 +77,8 @@ def token_stats_rows(
         options: read for ``ignore_index`` and ``softcap``.
 
     Returns:
-        ``(N, 2)`` float32: ``H = -sum_j p_j log p_j`` (nats, of the soft-capped logits, with
-        ``0 log 0 = 0`` where a logit is ``-inf``) and 1.0 where ``x[y] >= max_j x_j``; 0 in
-        both where there is no target.
+        ``(N, 2)`` float32: ``H = -sum_j p_j log p_j`` (nats, soft-capped) and 1.0 where
+        ``x[y] >= max_j x_j``; 0 without a target.
     """
     x = logits.to(compute_dtype(logits.dtype))
     if options.softcap is not None:

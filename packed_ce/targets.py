@@ -1,11 +1,9 @@
 """From labels and sequence boundaries to per-token targets and loss coefficients.
 
-Token ``t`` contributes ``coef[t] * l_t``; ``coef``, ``w_t``, ``D``, ``n_s``, ``m_s`` and ``a_s``
-are defined once, in docs/reference.md ("The loss, exactly"). This module computes them as one flat
-``(N,)`` float32 coefficient per row, so the kernels never have to know about sequences.
-Everything here is vectorised tensor code on the logits' device: no ``.item()``,
-``.tolist()`` or data-dependent shapes, so the preparation is safe under CUDA graphs and
-traceable by ``torch.compile``.
+Token ``t`` contributes ``coef[t] * l_t`` (``coef``, ``w_t``, ``D``, ``n_s``, ``m_s``, ``a_s``:
+docs/reference.md, "The loss, exactly"), one ``(N,)`` coefficient per row, so the kernels know
+nothing of sequences. No host sync or data-dependent shape: safe under CUDA graphs and
+``torch.compile``.
 
 Dimensions: N tokens, V vocabulary, S sequences, B rows and T tokens per row (N = B*T).
 """
@@ -19,7 +17,7 @@ import torch
 
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
 from .records import own_targets
-from .validation import check_labels, check_tensor
+from .validation import check_labels, check_tensor, checked_boundaries
 
 
 @dataclass
@@ -27,10 +25,8 @@ class Targets:
     """What the loss needs to know about every token, independent of the logits.
 
     Attributes:
-        targets: ``(N,)`` int64, the class each row of the logits is scored against;
-            ``ignore_index`` where a row has no target.
-        coef: ``(N,)`` float32, the row's weight in the reduced loss (0 for rows without a
-            target), docs/reference.md ("The loss, exactly").
+        targets: ``(N,)`` int64 class of each row, ``ignore_index`` where none.
+        coef: ``(N,)`` float32 weight of the row in the reduced loss, 0 without a target.
     """
 
     targets: torch.Tensor
@@ -45,14 +41,11 @@ def sequence_ids(
     """Index of the sequence of every token, and an upper bound on the number of sequences.
 
     Args:
-        labels: ``(N,)`` or ``(B, T)``; rows of a 2-D tensor are never one sequence.
-        cu_seqlens: ``(S+1,)`` int32/int64 or None.
-        position_ids: ``N`` entries (any shape) or None. A sequence starts at token 0 of every
-            row and wherever ``position_ids[t] != position_ids[t-1] + 1``.
+        labels: ``(N,)`` or ``(B, T)`` (without boundaries each row is one sequence).
+        cu_seqlens: ``(S+1,)`` int32/int64 or None. position_ids: ``N`` entries or None.
 
     Returns:
-        ``seq`` ``(N,)`` int64, non-decreasing, and the number of sequence slots ``S`` such
-        that ``0 <= seq < S``. Without boundaries each row of ``labels`` is one sequence.
+        ``seq`` ``(N,)`` int64, non-decreasing, and ``S`` with ``0 <= seq < S``.
     """
     n = labels.numel()
     device = labels.device
@@ -61,8 +54,7 @@ def sequence_ids(
         # right=True: an empty sequence [c, c) owns no token, the next one starts at c.
         seq = torch.searchsorted(cu_seqlens.to(torch.int64), tokens, right=True) - 1
         num_slots = cu_seqlens.numel() - 1
-        # Out-of-range ids only happen for malformed cu_seqlens; clamp keeps indexing safe
-        # when check_values was skipped (tracing).
+        # in range even for malformed, unchecked cu_seqlens
         return seq.clamp_(0, max(num_slots - 1, 0)), max(num_slots, 1)
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_len = n // rows if rows else 0
@@ -133,8 +125,7 @@ def _targets_and_weights(
     if seq_weights is not None:
         a_s = seq_weights.detach().to(dtype)
         per_target, share = a_s * per_target, a_s * share
-    # A malformed cu_seqlens (validation off) may have S = 0 while sequence_ids gives its
-    # tokens slot 0: that slot weighs 0 (as in the kernel) and indexing stays in range.
+    # malformed cu_seqlens (validation off) may give S = 0: slot 0 weighs 0, as in the kernel
     per_target = torch.nn.functional.pad(per_target, (0, num_slots - per_target.numel()))
     # valid tokens get w_t = a_s / m_s (packed) or a_s, the others 0 (selected, not multiplied:
     # a sequence without a target may weigh inf / m_s once divided by a tiny D; the kernel too)
@@ -153,14 +144,9 @@ def _weights_over_mass(
     float64, and ``num_items_in_batch`` replaced by what is left of ``D`` (1, or the 0 / NaN of a
     zero or bad ``D``).
 
-    The mean does not depend on the weights' scale, but a mass formed in float32 does: two
-    weights of 3e38 add up to inf (a NaN loss), and weights of 1e-40 (float32 subnormals) lose
-    their digits, or a mass below the normaliser's clamp of 1e-30 scales the loss, before the
-    division. ``a_s / D`` formed in float64 and rounded once to ``dtype`` is the sequence's
-    weight in the mean, so the coefficients ``a_s / (m_s D)`` are exact to ``dtype`` rounding
-    whatever the scale; ``D`` is the float64 mass ``sum_s a_s n_s / m_s`` (``sum_s a_s n_s``
-    with ``is_packed=False``) or the caller's ``num_items_in_batch`` as given (e.g. a step's
-    float64 :func:`count_normaliser`). A few launches on ``(S,)`` values, no host sync.
+    A mass formed in float32 breaks at scale (two weights of 3e38 give inf, a NaN loss; 1e-40 loses
+    digits or falls below the normaliser's 1e-30 clamp); ``a_s / D`` in float64, rounded once, makes
+    ``a_s / (m_s D)`` exact to ``dtype`` rounding at any scale. No host sync.
     """
     weights = boundaries.seq_weights.detach().to(torch.float64)  # (S,) a_s
     mass = boundaries.num_items_in_batch
@@ -196,34 +182,22 @@ def count_normaliser(
 ) -> torch.Tensor:
     """``D``, what reduction "mean" divides by when ``num_items_in_batch`` is not given.
 
-    The weight mass ``sum_t w_t`` (docs/reference.md, "The loss, exactly"), with ``options.shift`` and
-    ``options.ignore_index`` deciding what a target is: the same count the loss uses, so the sum
-    of this over the micro-batches and processes of one optimiser step is that step's
-    ``num_items_in_batch``. Without ``seq_targets`` and ``seq_weights`` it is the number of
-    targets (``options.is_packed=False``) or of sequences with at least one target
-    (``is_packed=True``).
+    The weight mass ``sum_t w_t`` the loss uses: summed over a step's micro-batches and processes
+    it is the step's ``num_items_in_batch``. Without ``seq_targets`` / ``seq_weights``: the number
+    of targets (``is_packed=False``) or of sequences with a target (``is_packed=True``).
 
     Args:
-        labels: ``(N,)`` or ``(B, T)`` integer labels.
-        cu_seqlens / position_ids: the sequence boundaries (at most one), or None (each row of
-            ``labels`` is one sequence).
-        seq_targets: ``(S,)`` integer, aligned with ``cu_seqlens``: the targets of each
-            sequence's whole conversation (``is_packed=True`` only); see
-            :class:`packed_ce.options.Boundaries`.
-        seq_weights: ``(S,)`` float, aligned with ``cu_seqlens``: each sequence's weight.
+        labels: ``(N,)`` or ``(B, T)`` integer. cu_seqlens, position_ids, seq_targets,
+            seq_weights: as in :func:`packed_ce.cross_entropy`.
         options: the loss's :class:`packed_ce.options.LossOptions` (default ``LossOptions()``).
 
     Returns:
-        0-d tensor on the labels' device: int64 (an exact count) without ``seq_targets`` and
-        ``seq_weights``, float64 with either (a sum of fractions ``n_s / m_s`` and weights, which
-        the sum over a step's micro-batches and processes keeps exact to ~1e-16; each
-        ``n_s / m_s`` of an unsplit sequence is exactly 1).
+        0-d on the labels' device: int64 (an exact count), or float64 with ``seq_targets`` /
+        ``seq_weights`` (a sum of fractions, exact to ~1e-16 over a step).
 
     Raises:
-        TypeError / ValueError naming the argument, for what metadata tells (types, shapes,
-        devices, both or no boundaries with ``is_packed``, ``seq_targets`` / ``seq_weights``
-        without ``cu_seqlens``). Contents are not checked (that would be a host sync): the count
-        of malformed values is unspecified.
+        TypeError / ValueError naming the argument, from metadata only; contents are not
+        checked (a host sync): the count of malformed values is unspecified.
 
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
@@ -243,16 +217,11 @@ def count_normaliser(
     """
     check_tensor("labels", labels)
     options, _ = split_keywords({}, options)
-    boundaries = Boundaries(
-        cu_seqlens=cu_seqlens,
-        position_ids=position_ids,
-        seq_targets=seq_targets,
-        seq_weights=seq_weights,
+    boundaries = checked_boundaries(
+        cu_seqlens, position_ids, seq_targets=seq_targets, seq_weights=seq_weights
     )
     # checks seq_targets / seq_weights too (their rules in validation.TENSOR_RULES)
     check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
-    # float64: the step's normaliser is a sum of fractions over micro-batches and processes,
-    # kept exact to ~1e-16 until the loss rounds it once to its compute dtype
     return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
 
 
@@ -269,27 +238,20 @@ def prepare_targets(
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels.
-        boundaries: the call's :class:`packed_ce.options.Boundaries` (sequence boundaries,
-            ``seq_targets`` / ``seq_weights`` and ``num_items_in_batch``, which replaces the
-            normaliser ``D`` of reduction "mean"), checked by the caller.
-        options: the :class:`packed_ce.options.LossOptions`; read here: ``is_packed`` (weight
-            each target by ``1 / n_s`` of its sequence), ``shift`` (the target of token ``t`` is
-            ``labels[t+1]`` when ``t+1`` is in the same sequence, else none), ``ignore_index``
-            and ``reduction``.
+        boundaries: the call's :class:`packed_ce.options.Boundaries`, checked by the caller.
+        options: the :class:`packed_ce.options.LossOptions` (``is_packed``, ``shift``,
+            ``ignore_index``, ``reduction``).
         dtype: of the coefficients; float32 for the kernels, float64 for a float64 reference.
-        use_kernel: with float32, divide the weights by ``D`` in one Triton launch instead of
-            14 PyTorch launches, and with ``cu_seqlens`` compute targets and weights in one more
-            instead of ~25 (:mod:`packed_ce.kernels.targets`); for the Triton backends in eager
-            mode. The reference keeps the PyTorch path, so each checks the other.
+        use_kernel: with float32, two Triton launches (:mod:`packed_ce.kernels.targets`) instead
+            of ~40 PyTorch ones, in eager mode; the reference keeps the PyTorch path, so each
+            checks the other.
         **keywords: instead of the objects, their fields (``cu_seqlens=...``, ``shift=True``).
 
     Returns:
         :class:`Targets` with ``(N,)`` int64 targets and ``(N,)`` coefficients of ``dtype``.
 
     Example:
-        Two sequences (tokens 0-2 and 3-5), labels aligned with the inputs (``shift``): the
-        targets move one token left inside each sequence, the first sequence's two targets weigh
-        1/2 each, the second's one target 1, and "mean" divides by the 2 sequences.
+        Two sequences (tokens 0-2, 3-5), shifted: weights 1/2, 1/2 and 1, divided by 2 sequences.
 
         >>> labels = torch.tensor([-100, 4, 5, -100, -100, 6])
         >>> cu_seqlens = torch.tensor([0, 3, 6], dtype=torch.int32)
@@ -349,9 +311,8 @@ def prepare_targets(
 
         return Targets(targets=targets, coef=normalise(weight.contiguous(), num_items))
     num_items = num_items.to(dtype)
-    # D == 0 means nothing to learn from: loss 0 and zero gradients, never 0/0. A negative or
-    # non-finite D (a tensor whose value was not checked: validate=False, tracing) gives NaN,
-    # the same on every backend, rather than a loss of 0 or of the wrong sign.
+    # D == 0: loss 0 and zero gradients, never 0/0; an unchecked negative or non-finite D: NaN
+    # on every backend, not a loss of 0 or of the wrong sign
     scale = torch.where(num_items > 0, 1.0 / num_items.clamp(min=1e-30), 0.0)
     scale = torch.where(torch.isfinite(num_items) & (num_items >= 0), scale, float("nan"))
     return Targets(targets=targets, coef=weight * scale)

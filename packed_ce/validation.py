@@ -1,13 +1,9 @@
 """The checks of a loss call's tensors: every bad input ends in an error naming the argument.
 
-- Metadata (types, shapes, dtypes, devices; free, on the host): one table,
-  :data:`TENSOR_RULES`, of argument -> dtype family, shape rule and partner, then the few rules
-  that relate arguments (:func:`check_labels`, :func:`check_arguments`, :func:`check_linear`).
-  The non-tensor options are checked when their :class:`packed_ce.options.LossOptions` is built.
-- Values (label range, the contents of ``cu_seqlens``, ``seq_targets``, ``seq_weights`` and of a
-  tensor ``num_items_in_batch``): one path, :func:`check_values`, one record
-  (:mod:`packed_ce.records`) and one set of messages, now or deferred
-  (:func:`packed_ce.check_pending` says when).
+- Metadata (free, on the host): one table, :data:`TENSOR_RULES`, then the rules that relate
+  arguments (:func:`check_labels`, :func:`check_arguments`, :func:`check_linear`).
+- Values: one path, :func:`check_values`, one record (:mod:`packed_ce.records`), now or deferred
+  (:func:`packed_ce.check_pending`).
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
@@ -40,6 +36,21 @@ def check_tensor(name: str, value, *, optional: bool = False) -> None:
     if not isinstance(value, torch.Tensor):
         kind = "None or a torch.Tensor" if optional else "a torch.Tensor"
         raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+
+
+def checked_boundaries(
+    cu_seqlens=None, position_ids=None, num_items_in_batch=None, seq_targets=None, seq_weights=None
+) -> Boundaries:
+    """The call's :class:`Boundaries`, each tensor argument type-checked where it enters (the
+    public functions and modules; a model call's guard checks what the model reads first)."""
+    tensors = dict(
+        cu_seqlens=cu_seqlens, position_ids=position_ids, seq_targets=seq_targets,
+        seq_weights=seq_weights,
+    )
+    for name, value in tensors.items():
+        if value is not None:
+            check_tensor(name, value)
+    return Boundaries(num_items_in_batch=num_items_in_batch, **tensors)
 
 
 # --- metadata: one table, then the rules that relate arguments -------------------------------
@@ -133,9 +144,9 @@ def check_labels(
     """The labels and the per-call tensors beside them, from metadata (free).
 
     Args:
-        labels: ``(N,)`` or ``(B, T)`` integer, already known to be a tensor (each caller reads
-            its shape or device first, after :func:`check_tensor`).
-        boundaries: the call's :class:`packed_ce.options.Boundaries`.
+        labels: ``(N,)`` or ``(B, T)`` integer, already type-checked by the caller.
+        boundaries: the call's :class:`packed_ce.options.Boundaries`, type-checked where they
+            entered (:func:`checked_boundaries`).
         is_packed: the option of that name (it needs boundaries).
         device: where the labels and boundaries must be (the logits'), called ``name``.
     """
@@ -155,8 +166,6 @@ def check_labels(
             "is_packed=True needs the sequence boundaries: pass cu_seqlens or position_ids"
         )
     for argument in ("cu_seqlens", "position_ids", "seq_targets", "seq_weights"):
-        if tensors[argument] is not None:
-            check_tensor(argument, tensors[argument])
         _check_rule(argument, tensors, device=device, device_name=name)
     if cu_seqlens is not None and cu_seqlens.numel() == 1 and labels.numel() > 0:
         raise ValueError(
@@ -279,12 +288,10 @@ def check_values(
 ) -> None:
     """Checks a call's values (see the module docstring) with :mod:`packed_ce.records`.
 
-    With ``coef`` (the call's ``(N,)`` fp32 loss coefficients, Triton backend) on a device whose
-    checks are deferred (:func:`packed_ce.pending.defers_checks`), one kernel writes the record
-    and, where a check fails, makes ``coef`` NaN in place (the per-sequence fields are PyTorch
-    ops that do the same); the record is queued for :func:`packed_ce.check_pending`. Otherwise
-    the record is read now (one host sync on CUDA) and a failure raises here. Skipped while
-    tracing, where no sync is possible, and on meta tensors, which hold no values.
+    With ``coef`` (``(N,)`` fp32, Triton backend) on a deferring device, a kernel writes the record
+    and makes ``coef`` NaN where a check fails; the record is queued for
+    :func:`packed_ce.check_pending`. Otherwise it is read now and raises here. Skipped while
+    tracing and on meta tensors.
 
     Args:
         labels: ``(N,)`` or ``(B, T)`` integer labels, their metadata checked.

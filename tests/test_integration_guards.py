@@ -307,3 +307,36 @@ def test_per_batch_values_that_are_not_tensors_are_refused_by_name(key):
         PackedCausalLMLoss()(logits, batch["labels"], **keywords)
     with pytest.raises(TypeError, match=f"^{argument} must be a torch.Tensor, got list"):
         count_num_items(readers)
+
+
+@pytest.mark.parametrize("without", [(), ("cu_seqlens",), ("cu_seqlens", "cu_seq_lens_q")],
+                         ids=["cu_seqlens", "cu_seq_lens_q", "position_ids"])
+def test_each_per_call_tensor_is_type_checked_once(without, monkeypatch):
+    """A model call of a packed batch type-checks each per-call tensor once on its way to the
+    loss: the guard checks what the model's forward reads first and hands it on, the loss checks
+    what it reads from elsewhere (counted by object over both type checks; the collator's
+    ``cu_seq_lens_q`` is its ``cu_seqlens``, a copy here tells the two keys apart)."""
+    from packed_ce import validation
+    from packed_ce.integrations import guards
+
+    checked = []
+
+    def spy(function, value_at):
+        def wrapper(*args, **kwargs):
+            checked.append(value_at(*args))
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(guards, "batch_tensor", spy(guards.batch_tensor, lambda batch, key: batch.get(key)))
+    monkeypatch.setattr(validation, "check_tensor", spy(validation.check_tensor, lambda name, value, **_: value))
+    model = apply_packed_loss(tiny_model("llama", VOCAB))
+    batch = {k: v for k, v in packed_batch().items() if k not in without}
+    if "cu_seq_lens_q" in batch:
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_q"].clone()
+    with torch.no_grad():
+        loss = model(**batch).loss
+    assert_loss_close(loss, one_at_a_time(model, conversations()))
+    boundary = next(batch[key] for key in ("cu_seqlens", "cu_seq_lens_q", "position_ids") if key in batch)
+    per_call = [value for value in checked if value is not None and value is not batch["labels"]]
+    assert any(value is boundary for value in per_call)  # the loss's boundaries were checked
+    assert len({id(value) for value in per_call}) == len(per_call), [type(v) for v in per_call]

@@ -419,7 +419,7 @@ def model(cfg: dict, n: int, v: int, programs: int, seed: int = 0) -> tuple[floa
 # GPU run: correctness against float32 PyTorch, then interleaved timing against packed_ce.
 
 def main():
-    from packed_ce.kernels.cross_entropy import launch_forward
+    from packed_ce.kernels.cross_entropy import launch
     from packed_ce.options import KernelFloats
 
     dev = torch.device("cuda")
@@ -492,7 +492,7 @@ def main():
         fns, errs = {}, {}
 
         def packed():
-            return launch_forward(logits, targets, coef, grad, KernelFloats(0.0, 0.0, 0.0))[0]
+            return launch(logits, targets, coef, KernelFloats(0.0, 0.0, 0.0), grad=grad)[0]
 
         ok, ge, le = check("packed_ce", packed)
         fns["packed_ce"], errs["packed_ce"] = packed, (ok, ge, le)

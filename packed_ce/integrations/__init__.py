@@ -1,17 +1,10 @@
 """Integrations of the packed loss with training libraries.
 
-- :func:`apply_packed_loss` / :func:`remove_packed_loss`: a transformers causal LM (or a PEFT
-  model of one) returns the packing-aware loss from ``model(**batch)``, optionally through the
-  fused linear cross entropy (:func:`fusable_reason` says why a head cannot be fused);
-  packed batches stay exact whatever the call (no KV cache, no all-ones ``attention_mask``), and
-  a trainer that would normalise it by a token count is refused;
-- :class:`PackedTrainer`: the transformers Trainer, exact with gradient accumulation and data
-  parallelism; :class:`PackedSFTTrainer`: the same for trl's SFTTrainer (both imported on first
-  use: ``transformers.Trainer`` and ``trl`` take seconds to import; trl is the ``packed-ce[trl]``
-  extra);
-- :func:`enable_context_parallel` / :func:`disable_context_parallel`: each rank of a process group
-  attends over the whole packed row that :func:`collators.shard_batch` cut up, within each
-  conversation, so the ranks' loss shares and gradients add up to one process's;
+- :func:`apply_packed_loss` / :func:`remove_packed_loss`: ``model(**batch)`` returns the packed
+  loss (optionally fused), every call kept exact;
+- :class:`PackedTrainer`, :class:`PackedSFTTrainer`: transformers' and trl's trainers, exact under
+  accumulation and parallelism (imported on first use: seconds);
+- :func:`enable_context_parallel` / :func:`disable_context_parallel`: ranks sharing each row;
 - :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops;
 - :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """

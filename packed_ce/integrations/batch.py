@@ -1,10 +1,4 @@
-"""Sequence boundaries and counts of a batch, as the packed loss of a causal LM reads them.
-
-- :func:`sequence_boundaries` finds the boundaries of ``labels`` in a batch or in a model's loss
-  keywords;
-- :func:`next_token_targets` is the target of every token, as the loss scores it;
-- :func:`count_num_items` is the normaliser of one optimiser step over micro-batches and processes.
-"""
+"""Sequence boundaries, targets and step normaliser of a batch, as the packed loss reads them."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, S
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets
-from .guards import POSITION_IDS_KEY
+from .guards import BOUNDARIES_KEY
 
 
 def sequence_boundaries(
@@ -26,22 +20,15 @@ def sequence_boundaries(
     """The sequence boundaries of ``labels`` found in a batch or in a model's loss keywords.
 
     Args:
-        labels: ``(B, T)`` or ``(N,)`` integer labels; the boundaries are moved to their device.
-        batch: a collated batch or the keywords a model passes to its loss function.
-        is_packed: whether the loss weighs per sequence; ``seq_targets`` only matter then.
+        labels: ``(B, T)`` or ``(N,)`` integer labels, whose device the boundaries move to.
+        batch: a collated batch or a model's loss keywords.
+        is_packed: whether ``seq_targets`` matter.
 
     Returns:
-        ``{"cu_seqlens": ...}`` or ``{"position_ids": ...}``, keywords for
-        :func:`packed_ce.cross_entropy`. Taken from ``cu_seqlens``, else ``cu_seq_lens_q``, else
-        ``position_ids`` (or what the forward of :func:`apply_packed_loss` passed on),
-        else one sequence per row of ``labels``: ``cu_seqlens = [0, T, 2T, ..., B*T]``. With
-        the batch's ``cu_seqlens``, its ``seq_targets`` (with ``is_packed``) and ``seq_weights``
-        come along (:class:`collators.PackedCollator`, :func:`collators.shard_batch`): a
-        conversation split across rows, micro-batches or ranks keeps its weight.
-
-    A value that is not a tensor (a list, say) is passed on as it is: the loss refuses it, naming
-    its argument, with the rest of its metadata (:func:`packed_ce.validation.check_labels`), so
-    each of these tensors is type-checked once.
+        Keywords of :func:`packed_ce.cross_entropy`, from ``cu_seqlens`` (with ``seq_targets``
+        and ``seq_weights``), else what :func:`apply_packed_loss`'s forward handed on, else
+        ``cu_seq_lens_q``, else ``position_ids``, else one sequence per row. Non-tensors are
+        passed on, for the loss to refuse by name.
     """
 
     def on_device(value):  # anything but a tensor is refused by name where the loss checks it
@@ -51,11 +38,12 @@ def sequence_boundaries(
         keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
         found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
         return {CU_SEQLENS: on_device(batch[CU_SEQLENS]), **found}
+    if batch.get(BOUNDARIES_KEY) is not None:
+        return {key: on_device(value) for key, value in batch[BOUNDARIES_KEY].items()}
     if batch.get(CU_SEQ_LENS_Q) is not None:
         return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
-    for key in (POSITION_IDS_KEY, POSITION_IDS):
-        if batch.get(key) is not None:
-            return {POSITION_IDS: on_device(batch[key])}
+    if batch.get(POSITION_IDS) is not None:
+        return {POSITION_IDS: on_device(batch[POSITION_IDS])}
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_length = labels.shape[-1] if labels.dim() else 0
     return {CU_SEQLENS: torch.arange(rows + 1, device=labels.device) * row_length}
@@ -71,11 +59,9 @@ def next_token_targets(
 
     Args:
         labels: ``(B, T)`` or ``(N,)`` labels aligned with ``input_ids``.
-        batch: the batch (or the model's keywords), read for the boundaries as
-            :func:`sequence_boundaries` does.
+        batch: read for the boundaries (:func:`sequence_boundaries`).
         ignore_index: label value that is not a target.
-        shift_labels: labels already shifted (the target of each token, used as they are), or
-            None.
+        shift_labels: labels already shifted, or None.
 
     Returns:
         ``(N,)`` int64: ``labels[t + 1]`` when ``t + 1`` is in the sequence of ``t``, else
@@ -109,29 +95,20 @@ def count_num_items(
 ) -> torch.Tensor:
     """``num_items_in_batch`` for one optimiser step: what the loss of the whole step divides by.
 
-    With ``is_packed=True`` the number of sequences that have at least one target, with
-    ``is_packed=False`` the number of targets (with ``seq_targets`` / ``seq_weights`` in a
-    batch: the weight mass, :func:`packed_ce.count_normaliser`), over every micro-batch of the
-    step and, with ``all_reduce``, every process of the default (or given) process group.
-    Passing it to each micro-batch's loss makes the summed gradients of the step those of one
-    loss over the whole global batch. Data-parallel wrappers average the gradients over the ``W`` processes, so
-    multiply each micro-batch's loss by ``W`` before ``backward`` (the Trainer does this when
-    ``average_tokens_across_devices=True``; :class:`PackedTrainer` counts with this function).
+    :func:`packed_ce.count_normaliser` summed over the micro-batches and, with ``all_reduce``, the
+    processes: passed to each micro-batch's loss, the step's gradients are those of one loss over
+    the global batch. Data-parallel wrappers average over the ``W`` processes: multiply each loss
+    by ``W`` (the Trainer does with ``average_tokens_across_devices=True``).
 
     Args:
-        batches: one batch or the micro-batches of a step, each with ``labels`` (or
-            ``shift_labels``) and the boundaries :func:`sequence_boundaries` reads.
-        is_packed: count sequences (True) or target tokens (False), as the loss averages.
-        shift: ``labels`` are aligned with ``input_ids`` (the causal-LM convention).
-        ignore_index: label value that is not a target.
-        all_reduce: sum over processes when ``torch.distributed`` is initialised; the ranks of a
-            context-parallel group (:func:`enable_context_parallel`) hold the same rows, and
-            their sum counts each row once.
-        group: the process group of the sum (default: the whole world).
+        batches: one batch or a step's micro-batches, with ``labels`` (or ``shift_labels``).
+        is_packed, shift, ignore_index: as the loss's.
+        all_reduce: sum over the processes of ``group`` (default: the world) when
+            ``torch.distributed`` is initialised, each context-parallel row counted once.
 
     Returns:
-        0-d tensor on the labels' device (on the current CUDA device with NCCL): int64, or
-        float64 when a batch carries ``seq_targets`` or ``seq_weights``.
+        0-d tensor on the labels' device (the current CUDA device with NCCL): int64, or float64
+        with ``seq_targets`` / ``seq_weights``.
 
     Example:
         >>> batch = {"labels": torch.tensor([[-100, 5, -100, -100, -100, 7, 8]]),

@@ -1,26 +1,12 @@
 """Context parallelism that keeps packed conversations apart: each rank attends over the whole row.
 
-:func:`collators.shard_batch` gives rank ``r`` of ``W`` chunks ``r`` and ``2W - 1 - r`` of a packed
-row of ``T`` tokens cut into ``2W`` chunks of ``C`` (zig-zag), with the conversations' global
-``position_ids``. The attention installed here gathers every rank's keys and values into the
-whole row ``(T = 2WC)`` in row order, and lets local query ``i`` (row token ``q(i)``) see row token
-``k`` iff both lie in the same conversation and ``k <= q(i)``. A conversation starts at token 0
-and wherever ``position_ids[t] != position_ids[t - 1] + 1`` (transformers' packed rule), so the
-mask is exactly the one a single process applies to the whole row, and each rank's hidden
-states are those of its tokens in the single-process forward.
-
-Gradients: the gathered keys and values of rank ``r'`` feed every rank's queries; the backward of
-the gather sums their gradients over ranks and hands each rank its own slice (a reduce-scatter),
-so the gradient of each rank's local loss share reaches every parameter that produced the row.
-Summed over ranks, the parameter gradients are those of the single-process loss.
-
-Two routes compute the same masked attention:
-
-- on CUDA, for rows of more than ``DENSE_MASK_ELEMENTS`` (query, key) pairs, flex attention with
-  a block mask built once per forward from the row's conversation ids: memory grows with the
-  local tokens times the row's key blocks, never ``L x T`` scores;
-- otherwise (CPU, short rows), :func:`torch.nn.functional.scaled_dot_product_attention` with
-  the dense ``(L, T)`` boolean mask of the same rule (:func:`conversation_mask`).
+:func:`collators.shard_batch` gives rank ``r`` of ``W`` the zig-zag chunks ``r`` and ``2W - 1 - r`` of
+``2W`` chunks of ``C`` tokens. The attention here gathers every rank's keys and values into the
+whole row (``T = 2WC``) and lets query token ``q`` see key ``k`` iff both are in the same
+conversation (transformers' ``position_ids`` restart rule) and ``k <= q``: the single-process mask.
+The gather's backward is a reduce-scatter, so the parameter gradients summed over ranks are the
+single process's. On CUDA for long rows flex attention with a block mask (never ``L x T`` scores),
+else sdpa with the dense ``(L, T)`` mask (:func:`conversation_mask`).
 """
 
 from __future__ import annotations
@@ -72,12 +58,9 @@ class ContextParallel:
     """What :func:`enable_context_parallel` installed on a model, to use and to undo.
 
     Attributes:
-        group: the ranks sharing each row (None: the default group).
-        rank, world_size: this rank and the size of ``group``.
-        attention_name: the name registered with transformers' attention interface (None for a
-            group of one rank, where nothing is replaced).
-        previous_attention: the model's ``config._attn_implementation`` before.
-        hook: the decoder's forward pre-hook that lays out the row.
+        group, rank, world_size: the ranks sharing each row (None: the default group).
+        attention_name: registered with transformers' attention interface (None for one rank).
+        previous_attention: ``config._attn_implementation`` before. hook: lays out the row.
     """
 
     group: object
@@ -96,8 +79,7 @@ def conversation_mask(documents: torch.Tensor, queries: torch.Tensor):
         documents: ``(T,)`` integer conversation id of each row token.
         queries: ``(L,)`` int64 row index of each local query.
 
-    Works elementwise on broadcast index tensors, so one function serves flex attention's
-    ``mask_mod`` and the dense mask of the CPU route.
+    Elementwise on broadcast indices: flex attention's ``mask_mod`` and the dense mask alike.
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -110,10 +92,8 @@ def conversation_mask(documents: torch.Tensor, queries: torch.Tensor):
 class _GatherRow(torch.autograd.Function):
     """The tokens of every rank in row order: ``x`` ``(L, H, D)`` of each rank -> ``(T, H, D)``.
 
-    Forward: one all-gather into a ``(W * L, H, D)`` buffer (rank-major), then one copy into row
-    order. Backward: the row gradient is put back in rank-major order and reduce-scattered (each
-    rank's keys and values are read by every rank's queries: their gradients are summed over the
-    ranks, and each rank keeps its own slice).
+    Forward: all-gather (rank-major), then one copy into row order. Backward: back to rank-major,
+    reduce-scatter (every rank's queries read each rank's keys and values).
     """
 
     @staticmethod
@@ -146,8 +126,7 @@ class _GatherRow(torch.autograd.Function):
 def _gather_row(x: torch.Tensor, state: ContextParallel, order: torch.Tensor) -> torch.Tensor:
     """``x`` ``(1, H, L, D)`` of every rank as the whole row ``(1, H, T, D)``, in row order.
 
-    transformers' projections lay keys out as ``(1, L, H, D)`` transposed, so the token-major
-    view gathered here needs no copy.
+    Keys are ``(1, L, H, D)`` transposed, so the token-major view needs no copy.
     """
     rows = _GatherRow.apply(x[0].transpose(0, 1), order, state)  # (T, H, D)
     return rows.transpose(0, 1)[None]
@@ -277,13 +256,10 @@ def _refusal(model: nn.Module) -> str | None:
 def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
     """Makes each rank of ``group`` attend over the whole packed row, within each conversation.
 
-    After it, on every rank ``r`` of ``group`` (``W`` ranks),
-    ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss`` with
-    ``n = count_num_items(batch)`` of the whole batch is rank ``r``'s share of the loss of
-    ``model(**batch)`` on one process: the shares add up to it, and the parameter gradients summed
-    over the ranks equal its gradients (data-parallel wrappers average them: multiply the loss by
-    the number of processes, as :class:`PackedTrainer` does). Works with :func:`apply_packed_loss`
-    (logits or fused head), PEFT models and gradient checkpointing.
+    On rank ``r`` of ``W``, ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss``
+    with ``n = count_num_items(batch)`` is rank ``r``'s share of the one-process loss; the shares
+    and the gradients summed over ranks are the one-process ones. Works with
+    :func:`apply_packed_loss` (logits or fused), PEFT and gradient checkpointing.
 
     Args:
         model: a transformers causal LM (or a PEFT model of one) whose attention goes through
@@ -298,8 +274,6 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
         ValueError: without an initialised process group, for a model whose attention cannot be
             replaced exactly, or if context parallelism is already enabled on it.
 
-    A call on the sharded model must pass the shard's ``position_ids`` (they find the
-    conversations) and no ``attention_mask``: both are refused otherwise.
     """
     target = base_model(model)
     if not (dist.is_available() and dist.is_initialized()):
@@ -372,9 +346,7 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
 def ranks_per_row(group=None) -> int:
     """How many ranks of ``group`` (default: the world) hold each packed row.
 
-    With context parallelism enabled in this process, the ranks of its group hold the same rows,
-    so a sum over ``group`` that contains them counts every row that many times
-    (:func:`count_num_items` divides by it); 1 otherwise.
+    A sum over ``group`` counts each row that many times (:func:`count_num_items` divides by it).
 
     Raises:
         ValueError: if models with groups of different sizes are enabled at once.
@@ -401,11 +373,9 @@ def context_parallel_of(model: nn.Module) -> ContextParallel | None:
 def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = -100) -> dict:
     """One context-parallel rank's share of a one-row batch from any packing collator.
 
-    The row is padded to a multiple of ``2 * world_size`` by a padding segment (no target, weight
-    0, no source), its boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` or the restarts
-    of ``position_ids`` (trl's padding-free batches), and :func:`collators.shard_batch` cuts it.
-    Keys the shard does not describe (``max_seqlen``, the varlen keywords) are left out: they
-    would describe the whole row.
+    The row is padded to a multiple of ``2 * world_size`` (a segment without target or weight), its
+    boundaries read from ``cu_seqlens``, ``cu_seq_lens_q`` or ``position_ids``, and
+    :func:`collators.shard_batch` cuts it; whole-row keys (``max_seqlen``, varlen) are left out.
 
     Args:
         batch: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the

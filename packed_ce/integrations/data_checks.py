@@ -1,17 +1,8 @@
 """The trainers' checks of a data set, before any tokenisation or packing where the data allow.
 
-- :func:`check_columns` refuses a bad ``weight`` / ``seq_weights`` / ``source`` value by row, and
-  weights that cannot be carried exactly (all 0, out of range);
-- :func:`check_not_empty` refuses an empty data set by name;
-- :func:`skip_or_refuse_without_assistant` and :func:`skip_or_refuse_without_targets`: conversations
-  without a target.
-
-A conversation without a target (no assistant turn under ``assistant_only_loss``, an empty
-completion, labels all ``-100``, no token at all) has nothing to learn from: the per-conversation
-mean leaves it out, so a data set of such rows would train on nothing while looking fine. Both
-trainers take ``skip_no_assistant`` (the name :func:`collators.tokenize_dataset` uses): False (the
-default) raises naming the first such row; True skips them and logs how many. An empty data set
-is refused by name.
+Bad ``weight`` / ``source`` values, an empty data set, and conversations without a target (which
+the per-conversation mean leaves out: a data set of them would train on nothing while looking
+fine) are refused naming the row, or with ``skip_no_assistant`` skipped and counted.
 """
 
 from __future__ import annotations
@@ -72,11 +63,9 @@ def check_columns(dataset, name: str) -> None:
         name: how the data set is called in errors (``train_dataset``).
 
     Raises:
-        TypeError / ValueError naming the row: a weight that is not a real number, or is NaN,
-        infinite or negative (0 removes a conversation), or that cannot be carried exactly
-        (:func:`collators.checks.check_weight_range`: below float64's normal range, more than
-        2**64 times lighter than the heaviest, a sum past float64's range); a source that is not a
-        string. ValueError naming the data set when every weight is 0.
+        TypeError / ValueError naming the row: a weight not a real number, NaN, infinite, negative
+        or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
+        string; naming the data set when every weight is 0.
     """
     columns = getattr(dataset, "column_names", None) or []
     if WEIGHT_COLUMN in columns:
@@ -145,12 +134,9 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
     """A tokenised data set (``input_ids``, ``labels``, optionally ``seq_lengths``) whose
     conversations all have a target under the causal shift.
 
-    Each row must hold as many labels as tokens and at least one token. A row of one conversation
-    without a target is skipped with ``skip`` (the count logged), else ValueError naming it; in a
-    packed row (``seq_lengths``) such a conversation cannot be taken out, so with ``skip`` it is
-    counted and logged and stays, weighing nothing. Rows of a split packing (``seq_targets``) are
-    not checked for targets: a piece without one may belong to a conversation that has them in
-    another row. Data sets without those columns are returned as they are.
+    Without a target, a row is skipped with ``skip`` (counted), else refused by name; in a packed
+    row it stays, weighing nothing. Split pieces (``seq_targets``) are not checked: their targets
+    may lie in another row.
 
     Raises:
         ValueError naming the row and the fix; naming the data set when no row is left.

@@ -36,9 +36,8 @@ def fusable_reason(model: nn.Module) -> str | None:
         model: a transformers causal LM (the base model, not a PEFT or DDP wrapper).
 
     Returns:
-        None when the output embedding is a plain ``nn.Linear`` (a LoRA-adapted or otherwise
-        wrapped head is not: its loss then runs on the logits) and nothing else stands between
-        the hidden states and the loss but the final softcap; else the reason, for a message.
+        None for a plain ``nn.Linear`` head (not a LoRA-wrapped one) with nothing but the final
+        softcap after it; else the reason, for a message.
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
@@ -73,13 +72,10 @@ _running = threading.local()
 def refuse_bypass(model: nn.Module, decoder: nn.Module, args: tuple, kwargs: dict) -> None:
     """The decoder's forward pre-hook: refuses a training pass that skips the packed loss.
 
-    A wrapper put around the installed forward can run the decoder and a loss of its own
-    without calling the forward underneath: trl's ``SFTTrainer`` does with ``fused_lm_head=True``
-    (its own token mean), and around a PEFT adapter, which calls ``forward`` directly, no check
-    on the model's call sees it. Such a pass is told by what it is, whatever the wrapper's name:
-    the decoder trains with gradients, no packed forward is running in this thread, and
-    ``model.forward`` is no longer the installed one. (A decoder called directly, with the
-    installed forward in place, is the caller's own choice and runs.)
+    trl's ``fused_lm_head=True`` wraps the installed forward and runs the decoder and its own token
+    mean (past every check around a PEFT adapter). Such a pass is told by what it is: the decoder
+    trains with gradients, no packed forward runs in this thread, and ``model.forward`` is no
+    longer the installed one.
     """
     if not decoder.training or not torch.is_grad_enabled() or getattr(_running, "depth", 0):
         return
@@ -123,7 +119,8 @@ def _plain(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
 def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from ..fused_linear import fused_linear_cross_entropy
+    from ..fused_linear import fused_linear_call
+    from ..options import split_keywords
 
     kwargs = dict(kwargs)
     labels = kwargs.pop(LABELS)
@@ -135,19 +132,19 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     outputs = model.get_decoder()(**kwargs)
     hidden = outputs[0]
     head = model.get_output_embeddings()
-    targets, keywords = installation.loss.loss_keywords(
+    targets, boundaries, options = installation.loss.loss_inputs(
         labels, hidden.device, shift_labels, kwargs.get("num_items_in_batch"), kwargs
     )
-    result = fused_linear_cross_entropy(
-        _plain(hidden, "hidden states"),
-        _plain(head.weight, "weight"),
-        targets,
-        bias=_plain(head.bias, "bias"),
+    keywords = dict(
         softcap=getattr(model.config, "final_logit_softcapping", None),
         return_token_stats=want_stats,
         return_seq_losses=want_seq,
-        **keywords,
         **installation.fused_options,
+    )
+    options, chunk_options = split_keywords(keywords, options, chunked=True)
+    result = fused_linear_call(
+        _plain(hidden, "hidden states"), _plain(head.weight, "weight"), targets,
+        _plain(head.bias, "bias"), boundaries, options, chunk_options,
     )
     loss = installation.loss.keep_metrics(result, want_stats, want_seq)
     output = CausalLMOutputWithPast(
@@ -164,16 +161,11 @@ def make_forward(model: nn.Module) -> Callable:
     """``model``'s forward on a checked call, with the signature of its own forward; the loss from
     the hidden states where fused.
 
-    The call is first made exact or refused (:func:`checked_call`). Then, with the fused loss, in
-    training mode with ``labels`` (passed by keyword), the decoder runs as in the model's own
-    forward and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its last
-    hidden states ``(B, T, H)`` and ``lm_head``, soft-capped by
-    ``config.final_logit_softcapping`` if set; the output has ``logits=None``. With the keywords
-    ``packed_ce_token_stats`` / ``packed_ce_seq_losses`` the loss's own
-    :class:`packed_ce.TokenStats` / :class:`packed_ce.SequenceLosses` are kept on the model's
-    :class:`PackedCausalLMLoss`, as its call on logits does. Every other call runs the model's
-    own forward (the keywords then reach the loss function). Everything is looked up on
-    ``model`` at call time, so a copy of the model (``copy.deepcopy``) uses its own modules.
+    The call is made exact or refused (:func:`checked_call`). Fused, training, with ``labels``: the
+    decoder runs and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its
+    ``(B, T, H)`` hidden states and ``lm_head`` (soft-capped by ``final_logit_softcapping``),
+    ``logits=None``; else the model's own forward. Looked up at call time, so a
+    ``copy.deepcopy`` uses its own modules.
     """
 
     # wraps: inspect.signature(model.forward) keeps the original parameters, which the Trainer

@@ -9,23 +9,20 @@ import torch
 
 from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
 
-# The installed forward passes the model's ``position_ids`` to the loss under this keyword; like
-# any extra keyword it also reaches the attention functions, which ignore keywords they do not
-# know.
-POSITION_IDS_KEY = "packed_ce_position_ids"
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
-# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter. The
-# loss's own arguments (cu_seqlens, seq_targets, seq_weights, and these where the loss reads them)
-# are type-checked once, with their other metadata, by packed_ce.validation.check_labels.
+# position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
 MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
+# The loss's boundaries from MODEL_TENSORS, checked, when the batch has no cu_seqlens:
+# ``{"cu_seqlens": cu_seq_lens_q}`` or ``{"position_ids": ...}`` (the forward consumes
+# position_ids). The loss does not check them again; attention ignores the keyword.
+BOUNDARIES_KEY = "packed_ce_boundaries"
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
     """``batch[key]``: a tensor, or None when absent.
 
     Raises:
-        TypeError naming ``key`` for anything else (a list would otherwise fail deep inside the
-        loss with an AttributeError that names no argument).
+        TypeError naming ``key`` (not an AttributeError deep inside, naming nothing).
     """
     value = batch.get(key)
     if value is None or isinstance(value, torch.Tensor):
@@ -43,8 +40,8 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
       the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
     - A packed batch (see :func:`_exact_packed_call`) runs without a KV cache and without an
       all-ones ``attention_mask``, either of which would make its sequences attend to each other.
-    - ``position_ids`` are handed to the loss when the batch has no ``cu_seqlens``: a causal LM's
-      forward consumes them and does not pass them on.
+    - without ``cu_seqlens``, ``cu_seq_lens_q`` or else ``position_ids`` are handed to the loss
+      under :data:`BOUNDARIES_KEY`.
 
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
@@ -58,28 +55,21 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
             "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
         )
     kwargs = _exact_packed_call(args, kwargs)
-    if kwargs.get(LABELS) is not None and kwargs.get(POSITION_IDS) is not None:
-        if kwargs.get(CU_SEQLENS) is None and kwargs.get(CU_SEQ_LENS_Q) is None:
-            kwargs = {**kwargs, POSITION_IDS_KEY: kwargs[POSITION_IDS]}
+    if kwargs.get(LABELS) is not None and kwargs.get(CU_SEQLENS) is None:
+        for key, argument in ((CU_SEQ_LENS_Q, CU_SEQLENS), (POSITION_IDS, POSITION_IDS)):
+            if kwargs.get(key) is not None:
+                return {**kwargs, BOUNDARIES_KEY: {argument: kwargs[key]}}
     return kwargs
 
 
 def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
     """The keywords of a packed call, changed so that no sequence attends to another.
 
-    A batch is packed when it has ``cu_seqlens`` or ``cu_seq_lens_q`` with a boundary inside a
-    row, or ``labels`` and ``position_ids`` that restart inside a row. transformers builds the
-    block-diagonal mask of such a row from ``position_ids`` only without an ``attention_mask``
-    and without a KV cache; otherwise every token attends to every earlier token of its row
-    (a relative loss error of about 2e-3 on Llama and Qwen2, sdpa and eager). So:
-
-    - the cache is turned off (a training or scoring call never reads it back);
-    - an ``attention_mask`` of ones, which says nothing, is dropped;
-    - an ``attention_mask`` that masks tokens, or a ``past_key_values`` passed in, cannot be
-      made exact: ValueError.
-
-    Deciding whether boundaries lie inside rows reads them (one host sync), and only happens
-    when an ``attention_mask`` or ``past_key_values`` is passed with them.
+    Packed: a boundary (``cu_seqlens``, ``cu_seq_lens_q``, a ``position_ids`` restart with
+    ``labels``) inside a row. transformers masks such a row block-diagonally only without an
+    ``attention_mask`` and a KV cache (else a loss error of ~2e-3 on Llama and Qwen2), so the
+    cache is turned off, an all-ones mask dropped, and a masking ``attention_mask`` or
+    ``past_key_values`` refused (reading the boundaries then costs one host sync).
     """
     boundaries = kwargs.get(CU_SEQLENS)
     if boundaries is None:

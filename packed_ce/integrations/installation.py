@@ -1,9 +1,7 @@
 """What :func:`apply_packed_loss` changes on a model, and how to find it again.
 
-The installation lives on the transformers model itself (``model._packed_ce``): the model that
-computes the loss. Wrappers around it are looked through: DDP / FSDP's ``.module`` and a PEFT
-adapter's base model (``PeftModel.get_base_model()``), so the trainers find the loss whichever
-of them they hold.
+It lives on the transformers model (``model._packed_ce``), found through DDP / FSDP and PEFT
+wrappers.
 """
 
 from __future__ import annotations

@@ -8,56 +8,42 @@ from typing import Any
 
 import torch
 
-from ..cross_entropy import cross_entropy
-from ..options import LossOptions, changed_fields
-from ..stats import SequenceLosses, TokenStats
-from .batch import sequence_boundaries
+from collators.columns import CU_SEQLENS
 
-# With this keyword set to True in a model call, the packed loss (on the logits, or the fused
-# forward's) also computes the targets' TokenStats in its own pass and keeps them on the model's
-# PackedCausalLMLoss for PackedCausalLMLoss.take_token_stats(). Like POSITION_IDS_KEY it also
-# reaches the attention functions, which ignore keywords they do not know.
+from ..cross_entropy import cross_entropy_call
+from ..options import Boundaries, LossOptions, changed_fields
+from ..stats import SequenceLosses, TokenStats
+from ..validation import checked_boundaries
+from .batch import sequence_boundaries
+from .guards import BOUNDARIES_KEY
+
+# Model-call keywords: keep the call's TokenStats / SequenceLosses for take_token_stats() /
+# take_seq_losses() (attention functions ignore keywords they do not know).
 TOKEN_STATS_KEY = "packed_ce_token_stats"
-# The same for the call's SequenceLosses (PackedCausalLMLoss.take_seq_losses()): each sequence's
-# share of the loss and of the weight, for a loss per data source.
 SEQ_LOSSES_KEY = "packed_ce_seq_losses"
 
 
 class PackedCausalLMLoss:
     """A transformers causal-LM loss function backed by :func:`packed_ce.cross_entropy`.
 
-    Called like transformers' ``ForCausalLMLoss``: ``labels`` are aligned with ``input_ids`` and
-    shifted inside (``shift=True``), never across a sequence boundary; a ``shift_labels`` keyword
-    (already shifted labels, as some padding-free collators emit) is used as is. The reduction is
-    "mean": with ``is_packed=True`` the mean over sequences of each sequence's mean token loss,
-    with ``is_packed=False`` the mean over target tokens (what ``ForCausalLMLoss`` computes), each
-    divided by ``num_items_in_batch`` instead when the caller gives it.
-
-    ``final_logit_softcapping`` is not applied here: the models that have it (Gemma 2 and later)
-    cap the logits in ``forward`` before calling the loss. The fused forward of
-    :func:`apply_packed_loss`, which sees hidden states, applies it.
+    Called like transformers' ``ForCausalLMLoss``: ``labels`` aligned with ``input_ids`` are shifted
+    inside, never across a sequence boundary (``shift_labels`` are used as they are). "mean": per
+    sequence (``is_packed=True``) or per target token, or over ``num_items_in_batch`` when given.
+    The models cap their logits (``final_logit_softcapping``) before calling it.
 
     Args:
         is_packed: average per sequence (True) or per token (False).
         ignore_index: label value that is not a target.
         label_smoothing: ``eps`` of :func:`packed_ce.cross_entropy`.
         z_loss_scale: weight of ``logsumexp**2`` in each token's loss.
-        inplace_backward: let the backward overwrite the returned ``outputs.logits`` with their
-            gradient (saves one ``(N, V)`` buffer; only when nothing reads the logits after the
-            backward, and not with a model that soft-caps its logits, whose ``tanh`` backward
-            reads them).
-        backend: "auto", "triton" or "torch", as in :func:`packed_ce.cross_entropy`.
-        validate: check labels and boundaries (on CUDA on the device, without a host sync: see
-            :func:`packed_ce.check_pending`).
+        inplace_backward: the backward overwrites ``outputs.logits`` with their gradient (not
+            with a soft-capping model, whose ``tanh`` backward reads them).
+        backend, validate: as in :func:`packed_ce.cross_entropy`.
 
-    A call with the keyword ``packed_ce_token_stats=True`` (:data:`TOKEN_STATS_KEY`, passed to
-    ``model(...)``, which hands its extra keywords to the loss) also computes the
-    :class:`packed_ce.TokenStats` of its targets in the loss's own pass over the logits and
-    keeps them for :meth:`take_token_stats`; ``packed_ce_seq_losses=True``
-    (:data:`SEQ_LOSSES_KEY`) keeps the call's :class:`packed_ce.SequenceLosses` for
-    :meth:`take_seq_losses`; so does the fused forward of :func:`apply_packed_loss`. They live on
-    this object, which the model holds, so they are found the same way under DDP, FSDP or PEFT
-    wrappers.
+    ``model(..., packed_ce_token_stats=True)`` (:data:`TOKEN_STATS_KEY`) keeps the call's
+    :class:`packed_ce.TokenStats` for :meth:`take_token_stats`, ``packed_ce_seq_losses=True`` its
+    :class:`packed_ce.SequenceLosses` for :meth:`take_seq_losses`: on this object, found the same
+    way under DDP, FSDP or PEFT wrappers.
 
     Example:
         >>> loss_fn = PackedCausalLMLoss(is_packed=True)
@@ -120,30 +106,32 @@ class PackedCausalLMLoss:
             self.seq_losses = extra.pop(0)
         return loss
 
-    def loss_keywords(
+    def loss_inputs(
         self,
         labels: torch.Tensor,
         device: torch.device,
         shift_labels: torch.Tensor | None,
         num_items_in_batch: int | torch.Tensor | None,
         kwargs: Mapping[str, Any],
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Targets and keywords of :func:`packed_ce.cross_entropy` for one model call.
+        **changes,
+    ) -> tuple[torch.Tensor, Boundaries, LossOptions]:
+        """Targets, boundaries and options of the packed loss for one model call.
 
         Returns:
-            ``(targets, keywords)``: ``labels`` (or ``shift_labels``) on ``device`` and the keyword
-            arguments that go with them.
+            ``(targets, boundaries, options)``: the labels on ``device``, the boundaries of
+            ``kwargs`` (type-checked unless the guard did), the options with ``shift`` and
+            ``changes``.
         """
         shift = shift_labels is None
         targets = (labels if shift else shift_labels).to(device)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(device)
-        keywords = dict(
-            sequence_boundaries(targets, kwargs, is_packed=self.is_packed),
-            num_items_in_batch=num_items_in_batch,
-            options=dataclasses.replace(self.options, shift=shift),
+        found = sequence_boundaries(targets, kwargs, is_packed=self.is_packed)
+        checked = kwargs.get(CU_SEQLENS) is None and kwargs.get(BOUNDARIES_KEY) is not None
+        boundaries = (Boundaries if checked else checked_boundaries)(
+            num_items_in_batch=num_items_in_batch, **found
         )
-        return targets, keywords
+        return targets, boundaries, dataclasses.replace(self.options, shift=shift, **changes)
 
     def __call__(
         self,
@@ -160,23 +148,19 @@ class PackedCausalLMLoss:
             logits: ``(B, T, V)`` float32/bfloat16/float16, already soft-capped by the model.
             labels: ``(B, T)`` aligned with ``input_ids``; ``ignore_index`` where not trained.
             vocab_size: unused (``V`` is read from ``logits``); part of transformers' call.
-            num_items_in_batch: the normaliser of the whole optimiser step (see
-                :func:`count_num_items`); the local count when None.
-            shift_labels: ``(B, T)`` labels already shifted (target of ``logits[t]``), or None.
-            **kwargs: the model call's extra keywords, read for ``cu_seqlens``,
-                ``cu_seq_lens_q``, ``packed_ce_position_ids`` and ``packed_ce_token_stats``;
-                the rest is ignored.
+            num_items_in_batch: the step's normaliser (:func:`count_num_items`), or None.
+            shift_labels: ``(B, T)`` labels already shifted, or None.
+            **kwargs: the model call's extra keywords (boundaries, the keys above).
 
         Returns:
             0-d float32 loss.
         """
-        targets, keywords = self.loss_keywords(
-            labels, logits.device, shift_labels, num_items_in_batch, kwargs
-        )
         want_stats, want_seq = bool(kwargs.get(TOKEN_STATS_KEY)), bool(kwargs.get(SEQ_LOSSES_KEY))
-        result = cross_entropy(
-            logits, targets, return_token_stats=want_stats, return_seq_losses=want_seq, **keywords
+        targets, boundaries, options = self.loss_inputs(
+            labels, logits.device, shift_labels, num_items_in_batch, kwargs,
+            return_token_stats=want_stats, return_seq_losses=want_seq,
         )
+        result = cross_entropy_call(logits, targets, boundaries, options)
         return self.keep_metrics(result, want_stats, want_seq)
 
     def __repr__(self) -> str:

@@ -1,18 +1,10 @@
 """The data of :class:`PackedSFTTrainer`: conversation weights and sources, split packing, and
 assistant-only labels under any chat template.
 
-trl's data preparation tokenises, builds ``labels`` and packs with ``seq_lengths`` only: it keeps
-no column beside the tokens when packing, cuts ``bfd_split`` pieces without repeating the token at
-the cut (so the target there is lost), and refuses ``assistant_only_loss`` for a chat template
-without ``{% generation %}`` markers. Here:
-
-- :func:`assistant_labels` tokenises conversations with :func:`collators.tokenize_conversation`
-  (the assistant turns and the tokens that end them are trained, under any template);
-- :func:`pack` packs with :func:`collators.pack_dataset`, which carries ``weight`` (as
-  ``seq_weights``), ``source`` (``seq_sources``) and, for split conversations, each piece's
-  whole-conversation target count (``seq_targets``);
-- :class:`SequenceColumns` adds those per-sequence tensors to the batches of trl's collator,
-  aligned with the boundaries the loss reads.
+trl's packing keeps no column beside the tokens, loses the target at each ``bfd_split`` cut, and
+refuses ``assistant_only_loss`` without ``{% generation %}`` markers; here
+:func:`assistant_labels`, :func:`pack` (:func:`collators.pack_dataset`) and
+:class:`SequenceColumns` (the per-sequence tensors in trl's batches) do it exactly.
 """
 
 from __future__ import annotations
@@ -32,9 +24,7 @@ from collators.columns import (
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     """``input_ids`` and ``labels`` of conversational data, the assistant turns trained.
 
-    :func:`collators.tokenize_conversation` finds the assistant turns by rendering the
-    conversation turn by turn, so any chat template works; with ``{% generation %}`` markers it
-    gives the same labels as trl's ``assistant_only_loss`` (tested).
+    Any chat template; with ``{% generation %}`` markers the labels of trl's ``assistant_only_loss``.
     """
     import collators
 
@@ -49,13 +39,8 @@ def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
 def pack(dataset, max_length: int, strategy: str):
     """Best-fit-decreasing rows of ``max_length`` tokens; ``"bfd_split"`` splits long conversations.
 
-    A piece after a cut repeats the token before the cut with label -100, so every target is
-    trained exactly once, and carries its conversation's target count (``seq_targets``), so the
-    conversation weighs as if it had not been split.
-
-    As trl's own packer, it packs the tokens only, with the ``weight`` and ``source`` columns the
-    trainer reads: trl's tokenised data set still holds the raw conversations (``messages``,
-    ``prompt``, ...), which packed rows cannot carry.
+    Every target trains once and a split conversation weighs as one (:mod:`collators.packing`).
+    Only the tokens, ``weight`` and ``source`` are packed (not trl's raw ``messages``).
     """
     import collators
 
@@ -69,13 +54,8 @@ def pack(dataset, max_length: int, strategy: str):
 class SequenceColumns:
     """trl's collator, plus each sequence's weight, target count and source, aligned with the loss.
 
-    The loss reads the boundaries of a batch from ``cu_seqlens``, and with it ``seq_targets`` and
-    ``seq_weights`` (:func:`packed_ce.integrations.sequence_boundaries`); the trainer reads
-    ``seq_sources``. trl's padding-free batches are one row of the examples' sequences back to
-    back, then one sequence per padding token (their position ids restart at 0), which
-    ``cu_seq_lens_q`` delimits; its padded batches are one conversation per row. The
-    per-sequence values of the examples are laid out in the same order; padding gets weight 0,
-    target count 1 and no source.
+    Laid out as trl's batch: padding-free, the sequences back to back and one per padding token
+    (``cu_seq_lens_q``); padded, one per row. Padding: weight 0, target count 1, no source.
 
     Args:
         collator: trl's data collator.

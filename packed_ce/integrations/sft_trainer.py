@@ -1,19 +1,13 @@
 """``PackedSFTTrainer``: trl's SFTTrainer whose step is the mean over conversations.
 
-trl's ``SFTTrainer.compute_loss`` runs the model with ``fused_lm_head=True``: per-token
-log-probabilities summed and divided by the number of target tokens of the step. Packed or not,
-a long conversation then weighs as many times more as it has targets. Here the loss is the
-model's packed loss (:func:`apply_packed_loss`), normalised by the weight of the conversations
-with a target over every micro-batch and process (:class:`PackedNormaliserMixin`):
+trl's own step is a token mean (``fused_lm_head=True``): a conversation weighs as many times
+more as it has targets. Here the step is, over its conversations ``c`` on every micro-batch and
+process (:class:`PackedNormaliserMixin`),
 
     L_step = sum_c w_c mean_c / sum_c w_c        (w_c = 1 without a ``weight`` column)
 
-over the step's conversations ``c`` (``mean_c`` = the mean token loss of ``c``), which is what
-training every conversation alone, one per row, averaging per conversation gives. It holds for
-every batch layout trl builds: ``padding_free=True``, ``packing=True`` with ``"bfd"`` or
-``"bfd_split"`` (a split conversation keeps its weight) and padded batches, with the labels trl
-masks for ``completion_only_loss`` and ``assistant_only_loss``, for PEFT models, and for MoE
-models, whose router loss is added as trl adds it.
+with ``mean_c`` the mean token loss of ``c``, for every batch layout trl builds (padding-free,
+``"bfd"`` / ``"bfd_split"`` packing, padded).
 """
 
 from __future__ import annotations
@@ -46,55 +40,35 @@ _SIGNATURE = inspect.signature(SFTTrainer.__init__)
 class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     """``trl.SFTTrainer`` (same constructor) minimising the mean over conversations.
 
-    Each optimiser step minimises the weighted mean, over the conversations of all its
-    micro-batches and all processes, of each conversation's mean token loss. The model gets the
-    packed loss at construction unless it already has one: through the fused linear cross
-    entropy (no ``(N, V)`` logits) when its head allows it (:func:`fusable_reason`; a LoRA
-    adapter on the head, or a MoE router loss, keeps the loss on the logits), else on the
-    logits. To choose, call :func:`apply_packed_loss` yourself first (``fused_linear=False``,
-    ``label_smoothing``, ``z_loss_scale``, ...).
+    The model gets the packed loss at construction unless it has one: fused (no ``(N, V)``
+    logits) where :func:`fusable_reason` allows (not with a LoRA adapter on the head or a MoE
+    router loss), else on the logits; call :func:`apply_packed_loss` first to choose.
 
     What it adds to trl:
 
-    - ``peft_config=`` or a PEFT model: the adapter's parameters minimise the packed mean, on a
-      base model loaded in 4 bits too (QLoRA: bitsandbytes leaves the head unquantized, so the
-      fused head serves).
-    - A MoE model's router loss (``router_aux_loss_coef``): ``coef * aux`` of each micro-batch is
-      added as trl adds it, divided by the accumulation steps (the mean over micro-batches).
-    - ``packing_strategy="bfd_split"``: conversations longer than ``max_length`` are split across
-      rows (the piece after a cut repeats the token before it), every target trains once, and a
-      split conversation weighs as one.
-    - A numeric ``weight`` column: conversation ``c`` weighs ``w_c`` (0 removes it).
-    - A string ``source`` column: ``loss/<source>`` is logged beside ``loss``, the mean over that
-      source's conversations in the logging window (weighted by ``weight``) of their mean token
-      loss, gathered over processes, from the loss's own pass (training only).
-    - Context parallelism (``parallelism_config=ParallelismConfig(cp_size=K)`` with
-      ``padding_free=True``): the ``K`` ranks of a group share each batch's row, attention kept
-      within each conversation (:func:`enable_context_parallel`).
-    - ``assistant_only_loss=True`` under a chat template without ``{% generation %}`` markers:
-      the assistant turns and the tokens that end them are trained
+    - PEFT (``peft_config=`` or a PEFT model), QLoRA included (the head stays unquantized).
+    - A MoE router loss: ``coef * aux`` per micro-batch over the accumulation steps, as trl.
+    - ``packing_strategy="bfd_split"``: over-long conversations split across rows, every target
+      trained once, a split conversation weighing as one.
+    - A numeric ``weight`` column (0 removes a conversation); a string ``source`` column:
+      ``loss/<source>`` logged beside ``loss`` (training only).
+    - Context parallelism (``ParallelismConfig(cp_size=K)`` with ``padding_free=True``,
+      :func:`enable_context_parallel`).
+    - ``assistant_only_loss=True`` under a template without ``{% generation %}`` markers
       (:func:`collators.tokenize_conversation`).
+    - ``skip_no_assistant`` (default False): a conversation without a target is an error naming
+      its row; with True it is skipped and counted in a logged warning.
 
-    - ``skip_no_assistant`` (keyword, default False; the name :func:`collators.tokenize_dataset`
-      uses): a conversation without a target (no assistant turn under ``assistant_only_loss``, an
-      empty completion, no target left after trl's truncation) is an error naming its row, found
-      before tokenising where the messages tell; with True such conversations are skipped and
-      counted in a logged warning. An empty data set is an error naming it.
-
-    Logged like trl: ``loss``, ``entropy`` and ``mean_token_accuracy`` (token means over the
-    targets, as trl defines them), ``num_tokens``, ``aux_loss`` for MoE models; the metrics come
-    from the loss call itself (``return_token_stats``), so the logits are never read twice.
+    Logged like trl (``loss``, ``entropy``, ``mean_token_accuracy``, ``num_tokens``,
+    ``aux_loss``), the metrics from the loss's own pass.
 
     Raises:
-        ValueError / TypeError, before any data is tokenised, for options that cannot give the
-            per-conversation mean, naming each: ``loss_type`` other than ``"nll"``,
-            ``label_smoothing_factor > 0`` (use ``apply_packed_loss(model, label_smoothing=...)``),
-            ``compute_loss_func``, ``packing_strategy="wrapped"``, sequence parallelism,
-            context parallelism without ``padding_free=True, packing=False``, a bad ``weight`` or
-            ``source`` value (naming its row), weights that cannot be carried or are all 0
-            (:func:`data_checks.check_columns`), an empty data set, a conversation without a
-            target (see ``skip_no_assistant``); and those of
-            :class:`PackedTrainer`.
+        ValueError / TypeError naming the option or row, before tokenising, for what cannot give
+            the per-conversation mean: ``loss_type`` other than ``"nll"``,
+            ``label_smoothing_factor > 0``, ``compute_loss_func``, ``packing_strategy="wrapped"``,
+            sequence parallelism, context parallelism without ``padding_free=True,
+            packing=False``, bad ``weight`` / ``source`` values or all weights 0, an empty data
+            set, a conversation without a target; and those of :class:`PackedTrainer`.
 
     Example:
         >>> from trl import SFTConfig
@@ -144,12 +118,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
         """trl's preparation, with this trainer's packing and, where needed, its labels.
 
-        trl tokenises and builds the labels (not truncating or packing when this trainer packs);
-        conversational data with ``assistant_only_loss`` under a template without generation
-        markers is tokenised by :func:`sft_data.assistant_labels` first. With ``packing=True``
-        the rows come from :func:`sft_data.pack` (best-fit decreasing, ``"bfd"`` truncating and
-        ``"bfd_split"`` splitting long conversations), which carries the ``weight`` and
-        ``source`` columns to every piece.
+        Without generation markers, ``assistant_only_loss`` data is tokenised by
+        :func:`sft_data.assistant_labels` first; with ``packing=True`` the rows come from
+        :func:`sft_data.pack`, which carries ``weight`` and ``source`` to every piece.
         """
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
@@ -185,12 +156,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step
-        (:meth:`PackedNormaliserMixin._packed_step`); logs trl's metrics from the same call."""
+        (:meth:`PackedNormaliserMixin.compute_loss`); logs trl's metrics from the same call."""
         mode = "train" if self.model.training else "eval"
         packed_loss = installation_of(self.model).loss
         packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
-        loss, outputs = self._packed_step(
-            model, inputs, num_items_in_batch, **{TOKEN_STATS_KEY: True}
+        loss, outputs = super().compute_loss(
+            model, {**inputs, TOKEN_STATS_KEY: True}, True, num_items_in_batch
         )
         stats = packed_loss.take_token_stats()
         if stats is None:

@@ -26,9 +26,8 @@ def tiny_causal_lm(
 ):
     """A float32 transformers causal LM with random weights, the same for the same ``seed``.
 
-    Stands in for ``AutoModelForCausalLM.from_pretrained(...)`` where no weights can be
-    downloaded: README examples, tests, trying an option. The configuration keeps transformers'
-    defaults otherwise (``use_cache=True``, like every released model).
+    Stands in for ``AutoModelForCausalLM.from_pretrained(...)`` offline; transformers' defaults
+    otherwise (``use_cache=True``).
 
     Args:
         vocab_size: the tokenizer's vocabulary size.

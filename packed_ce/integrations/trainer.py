@@ -1,22 +1,11 @@
 """``PackedTrainer``: the transformers Trainer with the normaliser of the packed loss.
 
-How one optimiser step of the Trainer adds up, with ``W`` data-parallel processes and ``G``
-micro-batches per process (gradient accumulation):
-
-- before the step, ``num_items_in_batch`` is counted once over the ``G`` micro-batches and
-  gathered over the ``W`` processes;
-- each micro-batch's loss is ``sum of its per-sequence means / num_items_in_batch`` (the model's
-  loss function receives ``num_items_in_batch``), and the Trainer then leaves it alone for
-  gradient accumulation because it is already normalised for the whole step;
-- with ``average_tokens_across_devices=True`` the Trainer multiplies it by ``W``, which cancels
-  the ``1 / W`` of the data-parallel gradient averaging (DDP's all-reduce, FSDP2's and DeepSpeed
-  ZeRO's reduce-scatter alike; under DeepSpeed the Trainer also turns off the engine's own
-  division by ``G``, ``scale_wrt_gas=False``).
-
-So the step's gradient is that of ``sum over all sequences of the global batch of their mean
-token loss / number of those sequences``: unpacked per-sequence averaging over the whole global
-batch. The Trainer's own count is the number of target tokens, right for ``is_packed=False`` only;
-:class:`PackedTrainer` counts what the installed loss divides by.
+One step with ``W`` processes and ``G`` micro-batches each: ``num_items_in_batch`` is counted
+over the ``G`` micro-batches and gathered over the ``W`` processes (what the installed loss
+divides by; the Trainer's own count, of target tokens, fits ``is_packed=False`` only); each
+micro-batch's loss is divided by it, and ``average_tokens_across_devices`` multiplies it by ``W``,
+cancelling the data-parallel averaging (DDP, FSDP2, DeepSpeed ZeRO alike). The step's gradient
+is that of the per-sequence mean over the whole global batch.
 """
 
 from __future__ import annotations
@@ -38,23 +27,15 @@ from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 from .seams import CHECKED, RefuseOtherTrainers
 
-# Batch keys of floating tensors that are part of the objective, not activations: under
-# DeepSpeed the Trainer casts every floating tensor of a batch to the engine's dtype
-# (Trainer._prepare_input), and the float64 weights would change while the step's normaliser is
-# counted from them as collated: in float32 a weight of 1e-46 becomes 0 and one of 1e39 inf, in
-# bf16 a weight of 0.1 weighs 0.10009765625.
+# Float batch keys that are data, not activations: under DeepSpeed the Trainer casts every float
+# tensor to the engine's dtype, while the normaliser is counted from the float64 weights as
+# collated (in bf16 a weight of 0.1 would weigh 0.10009765625, in float32 1e39 would be inf).
 EXACT_FLOAT_KEYS = (SEQ_WEIGHTS,)
 
 
 class CheckPendingValues(TrainerCallback):
-    """Raises, before each optimiser step, the error of a bad label or ``cu_seqlens`` that a loss
-    call of the step received.
-
-    On CUDA the loss checks its values on the device without waiting for them
-    (:func:`packed_ce.check_pending`): the bad micro-batch's loss is NaN and the error would come
-    only with the next loss call, after the optimiser had stepped on NaN gradients (the Trainer
-    steps whatever the loss). Read here, the step never happens.
-    """
+    """Raises a bad value a loss call of the step received before the optimiser steps: on CUDA
+    the error would otherwise come with the next loss call, after a step on NaN gradients."""
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         check_pending()
@@ -63,21 +44,12 @@ class CheckPendingValues(TrainerCallback):
 class PackedNormaliserMixin:
     """What both packed trainers change in ``transformers.Trainer``: the normaliser of a step.
 
-    - ``num_items_in_batch`` is the number of sequences with at least one target (with
-      ``is_packed=True``; the number of targets with ``is_packed=False``) over all micro-batches
-      of the optimiser step and all processes;
-    - the ``seq_lengths`` column of packed rows is kept when ``remove_unused_columns=True``
-      (without it a packed row would be collated as one sequence), and so are ``seq_targets``,
-      ``seq_weights`` / ``weight`` (a split or weighted conversation keeps its weight) and
-      ``seq_sources`` / ``source``;
-    - with sources, ``loss/<source>`` is logged beside ``loss``: over the logging window, the
-      weighted mean of the mean token loss of that source's conversations, from the loss's own
-      pass (:class:`packed_ce.SequenceLosses`), gathered over processes at logging time only;
-    - a MoE model's router loss ``coef * aux`` is added once per micro-batch divided by the
-      accumulation steps (as trl adds it), not multiplied by the number of processes;
-    - a bad label or ``cu_seqlens`` raises before the optimiser step (:class:`CheckPendingValues`);
-    - :class:`RefuseOtherTrainers`, which refuses any other ``Trainer`` on a model with the
-      packed loss, is removed from this one.
+    - ``num_items_in_batch``: what the loss divides by, over the step's micro-batches and processes;
+    - the row columns (``seq_lengths``, ``seq_targets``, weights, sources) survive
+      ``remove_unused_columns``;
+    - ``loss/<source>`` logged beside ``loss`` (:class:`packed_ce.SequenceLosses`);
+    - a MoE router loss added per micro-batch over the accumulation steps, as trl adds it;
+    - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
     _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
@@ -117,10 +89,8 @@ class PackedNormaliserMixin:
             self._sources = source_names(self.train_dataset, self.eval_dataset)
 
     def _set_up_context_parallel(self) -> None:
-        """With ``parallelism_config=ParallelismConfig(cp_size=K)`` (accelerate's), the ``K`` ranks
-        of each context-parallel group share every packed row: :func:`enable_context_parallel`
-        on the group accelerate's device mesh names ``"cp"``; the other dimension is data
-        parallel."""
+        """``ParallelismConfig(cp_size=K)``: :func:`enable_context_parallel` on accelerate's ``"cp"``
+        mesh group; the other dimension is data parallel."""
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is None or not config.cp_enabled:
             return
@@ -135,10 +105,8 @@ class PackedNormaliserMixin:
         self._context_parallel = (mesh.get_local_rank(), config.cp_size)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
-        """This rank's shard of the micro-batch's packed row (:func:`shard_for_rank`), in place of
-        accelerate's ring attention, which is causal over the whole row and would let
-        conversations attend to each other. transformers' ``training_step`` calls it after
-        counting ``num_items_in_batch`` on the whole row."""
+        """This rank's shard of the row (:func:`shard_for_rank`), in place of accelerate's ring
+        attention, which would let conversations attend to each other."""
         if self._context_parallel is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         rank, size = self._context_parallel
@@ -169,19 +137,14 @@ class PackedNormaliserMixin:
             return 0.0
         return float(getattr(config, "router_aux_loss_coef", 0.0))
 
-    def _packed_step(self, model, inputs, num_items_in_batch, **keywords):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The model call of one micro-batch and its loss, normalised for the whole step.
 
-        ``num_items_in_batch`` (the weight of the conversations with a target over the step's
-        micro-batches and all processes) reaches the loss through the model call; with
-        ``average_tokens_across_devices`` the loss is multiplied by the number of processes,
-        which cancels the data-parallel gradient averaging. A MoE model's forward adds its own
-        ``coef * aux`` to the loss: it is taken out, and ``coef * aux`` divided by the
-        accumulation steps is added after that multiplication (trl's way: the mean over the
-        step's micro-batches, averaged over processes by the gradient all-reduce).
+        A MoE forward's ``coef * aux`` is taken out and added back over the accumulation steps
+        after the multiplication by the process count (trl's way).
 
         Returns:
-            ``(loss, outputs)``.
+            ``loss``, or ``(loss, outputs)`` with ``return_outputs``.
         """
         if self._context_parallel is not None and not self._row_sharded:
             # a Trainer that no longer calls the override would feed every rank the whole row
@@ -195,7 +158,7 @@ class PackedNormaliserMixin:
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
-        call = {**inputs, "use_cache": False, **keywords}
+        call = {**inputs, "use_cache": False}
         if want_sources:
             call[SEQ_LOSSES_KEY] = True
         if num_items_in_batch is not None:
@@ -217,14 +180,13 @@ class PackedNormaliserMixin:
             loss = loss + coef * aux / steps
         if want_sources:
             self._add_source_losses(packed_loss.take_seq_losses(), sources, num_items_in_batch)
-        return loss, outputs
+        return (loss, outputs) if return_outputs else loss
 
     def _add_source_losses(self, seq_losses, sources: list, num_items_in_batch) -> None:
         """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
 
-        ``seq_losses`` are ``coef_t * l_t`` and ``coef_t`` summed per sequence, with ``coef_t =
-        w_t / D``; times ``D`` (the step's ``num_items_in_batch``) they are the sequence's
-        weighted loss sum and weight, which add up over micro-batches and steps.
+        Times ``D`` the sums of ``coef_t * l_t`` and ``coef_t = w_t / D`` are the sequence's
+        weighted loss and weight, which add up over micro-batches and steps.
         """
         index = {name: i for i, name in enumerate(self._sources)}
         # non_blocking: a blocking host-to-device copy would wait for the step's queued kernels
@@ -279,30 +241,17 @@ _SIGNATURE = inspect.signature(Trainer.__init__)
 class PackedTrainer(PackedNormaliserMixin, Trainer):
     """A ``transformers.Trainer`` for models given to :func:`apply_packed_loss`.
 
-    Differences from ``Trainer`` (see :class:`PackedNormaliserMixin`): ``num_items_in_batch``
-    counts the sequences with a target over all micro-batches of the optimiser step and all
-    processes, so gradient accumulation and data parallelism give the gradient of one
-    per-sequence average over the whole global batch; the ``seq_lengths`` column of packed rows
-    (:func:`collators.pack_dataset`) is kept for the collator.
-
-    Supported: one process or data parallelism over processes (DDP, FSDP2 or DeepSpeed ZeRO-3,
-    through ``torchrun`` or ``accelerate launch``) with any gradient accumulation, and context
-    parallelism (``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=K))``: the ``K``
-    ranks of a group share each packed row, :func:`enable_context_parallel`; rows are padded to a
-    multiple of ``2 K``). Not supported: ``nn.DataParallel`` (several GPUs in one process), tensor
-    or sequence parallelism.
-
-    A conversation without a target (labels all -100 after its first token, or no token) is an
-    error naming its row, before training; with ``skip_no_assistant=True`` (the name
-    :func:`collators.tokenize_dataset` uses) a row of one such conversation is skipped and a packed
-    row's is left in place, weighing nothing; both are counted in a logged warning.
+    The step's gradient is that of one per-sequence average over the global batch, under any
+    gradient accumulation, DDP, FSDP2 or DeepSpeed ZeRO-3 and context parallelism
+    (``ParallelismConfig(cp_size=K)``); not ``nn.DataParallel``, tensor or sequence parallelism
+    (:class:`PackedNormaliserMixin`). A conversation without a target is an error naming its row;
+    ``skip_no_assistant=True`` skips it (or leaves it in its packed row, weighing nothing), counted
+    in a logged warning.
 
     Raises:
-        ValueError: if the model has no packed loss, if the Trainer would not pass
-            ``num_items_in_batch`` to it, with ``average_tokens_across_devices=False`` over several
-            processes, or with several GPUs in one process; naming the data set or its row: an
-            empty data set, a conversation without a target, a bad ``weight`` / ``seq_weights`` /
-            ``source`` (:func:`packed_ce.integrations.data_checks.check_columns`), every weight 0.
+        ValueError: a model without the packed loss or ``**kwargs``, ``average_tokens_across_devices
+            =False`` over several processes, several GPUs in one process; naming the data set or
+            row: empty, a conversation without a target, bad weights or sources, every weight 0.
 
     Example:
         >>> from transformers import TrainingArguments
@@ -324,11 +273,6 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
         check_datasets(bound.arguments, type(self).__name__, skip_no_assistant)
         super().__init__(*bound.args[1:], **bound.kwargs)
         self._check_packed_setup()
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The packed loss of one micro-batch, normalised for the whole step (:meth:`_packed_step`)."""
-        loss, outputs = self._packed_step(model, inputs, num_items_in_batch)
-        return (loss, outputs) if return_outputs else loss
 
 
 def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:

@@ -1,31 +1,13 @@
-"""The packed loss as the loss function of a transformers causal LM.
+"""The packed loss as the loss function of one transformers causal LM instance.
 
-transformers computes a causal LM's loss inside ``forward`` as ``self.loss_function(logits,
-labels, vocab_size, **kwargs)``, where ``kwargs`` are the extra keywords of the ``model(...)``
-call (every key of a :class:`collators.PackedCollator` batch other than ``input_ids``, ``labels``
-and ``position_ids``, plus ``num_items_in_batch`` from the Trainer).
-``PreTrainedModel.loss_function`` is a property whose setter stores an instance attribute, so one
-model instance can get its own loss without touching the class:
-
-- :func:`apply_packed_loss` (this file) installs a :class:`PackedCausalLMLoss` (``loss.py``) on
-  one model and a forward (``forward.py``) that keeps every call exact (``guards.py``),
-  hands ``position_ids`` to the loss (the model consumes them and does not pass them on) and,
-  optionally, computes the loss from the hidden states with
-  :func:`packed_ce.fused_linear_cross_entropy`; what it changed is recorded
-  (``installation.py``);
-- :func:`remove_packed_loss` (this file) undoes it exactly;
-- :func:`count_num_items` (``batch.py``) is the normaliser of one optimiser step over
-  micro-batches and processes.
-
-Sequence boundaries are read, in this order, from ``cu_seqlens`` (:class:`collators.PackedCollator`,
-:class:`collators.PaddedCollator`), ``cu_seq_lens_q`` (transformers' flash-attention varlen
-keywords, e.g. ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), ``position_ids``
-(padding-free batches); without any of them every row of ``labels`` is one sequence, which is also
-what the model's attention assumes then (:func:`sequence_boundaries`, ``batch.py``).
-
-The first :func:`apply_packed_loss` of a process imports ``transformers.trainer`` (seconds):
-every Trainer created after it refuses a model with the packed loss unless it is a packed one
-(``seams.py``).
+transformers computes the loss inside ``forward`` as ``self.loss_function(logits, labels,
+vocab_size, **kwargs)`` with the call's extra keywords; ``loss_function`` is a property whose
+setter stores an instance attribute, so one model gets its own loss without touching the class.
+:func:`apply_packed_loss` installs a :class:`PackedCausalLMLoss` (``loss.py``) and a forward
+(``forward.py``) that checks every call (``guards.py``), recorded in ``installation.py``;
+:func:`remove_packed_loss` undoes it exactly. Its first call imports ``transformers.trainer``
+(seconds): every Trainer created after it refuses a model with the packed loss unless it is a
+packed one (``seams.py``).
 """
 
 from __future__ import annotations
@@ -50,23 +32,15 @@ def apply_packed_loss(
 ) -> nn.Module:
     """Makes ``model(**batch)`` return the packing-aware loss; :func:`remove_packed_loss` undoes it.
 
-    Works for decoder-only transformers models that compute their loss through
-    ``self.loss_function`` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3, OLMo, Mixtral, ...), and
-    for a PEFT model wrapping one (``get_peft_model(model, LoraConfig(...))``), before or after
-    wrapping: the loss goes on the transformers model inside. Only that model instance changes:
-    its ``loss_function`` becomes a :class:`PackedCausalLMLoss` and its ``forward`` one that
-    checks every call (a packed batch runs without KV cache or all-ones ``attention_mask``,
-    ``position_ids`` reach the loss, a trainer that would normalise by a token count is refused)
-    before running the model's own. With ``fused_linear=True`` that forward, when training with
-    ``labels``, computes the loss from the hidden states with
-    :func:`packed_ce.fused_linear_cross_entropy` and returns ``logits=None``: the ``(N, V)``
-    logits, the largest activation of fine-tuning, never exist. Calling it again replaces the
-    previous installation.
-
-    The batch keys of :class:`collators.PackedCollator` (``cu_seqlens``, ``max_seqlen``,
-    ``num_sequences`` and the varlen keywords) can all be passed to ``model(...)``: sdpa and eager
-    attention ignore the ones they do not use, flash attention uses ``cu_seq_lens_q/k`` and
-    ``max_length_q/k``.
+    For decoder-only models whose loss goes through ``self.loss_function`` (Llama, Mistral,
+    Qwen2/3, Gemma 1-3, Phi-3, OLMo, Mixtral, ...), or a PEFT model of one, before or after
+    wrapping. Only that instance changes: its ``loss_function`` becomes a
+    :class:`PackedCausalLMLoss` and its ``forward`` checks every call first (no KV cache or
+    all-ones ``attention_mask`` on a packed batch, a token-mean trainer refused). With
+    ``fused_linear=True`` a training call with ``labels`` takes the loss from the hidden states
+    (:func:`packed_ce.fused_linear_cross_entropy`) and returns ``logits=None``. Calling it again
+    replaces the previous installation. Every key of a :class:`collators.PackedCollator` batch
+    can be passed to ``model(...)``: attention ignores those it does not use.
 
     Args:
         model: a transformers causal LM (``PreTrainedModel``), or a PEFT model of one.
@@ -112,8 +86,8 @@ def apply_packed_loss(
     elif loss.options.inplace_backward and getattr(
         target.config, "final_logit_softcapping", None
     ):
-        # the capped logits are tanh's output, which its backward reads: writing the loss
-        # gradient into them would silently corrupt every gradient upstream
+        # tanh's backward reads its output, the capped logits: overwritten, every gradient
+        # upstream would be silently wrong
         raise ValueError(
             "inplace_backward=True cannot be used with config.final_logit_softcapping; use "
             "fused_linear=True, which applies the softcap inside the fused loss"

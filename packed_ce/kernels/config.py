@@ -9,20 +9,15 @@ import triton
 
 from ..runtime import interpreting
 
-# Bytes per second of memory bandwidth per SM below which a row of up to 32768 columns is held
-# in the registers of one program (one per SM) rather than read twice by programs that share
-# an SM eight at a time. Holding the row saves a third of the bytes but leaves one program per
-# SM, whose loads, reductions and stores no longer overlap with another row's: measured at
-# V=32000 (benchmarks/NOTES.md, v5), it gains 16% on an H100 (25 GB/s per SM) and loses 9% on
-# an H200 (37 GB/s per SM). Two parts measured: the line lies between them.
+# Bandwidth per SM below which a row of up to 32768 columns is held in one program's registers
+# rather than read twice: a third fewer bytes, but no overlap with another row's program. At
+# V=32000 (benchmarks/NOTES.md, v5) +16% on an H100 (25 GB/s per SM), -9% on an H200 (37).
 ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM = 30e9
 
 
 @functools.cache
 def bandwidth_per_sm(device_index: int) -> float:
-    """Peak memory bandwidth per SM of a CUDA device, in bytes/s (inf where PyTorch does not
-    report the memory clock and bus width, which keeps two passes: the choice that holds on
-    every part measured)."""
+    """Peak memory bandwidth per SM in bytes/s (inf where unknown: two passes, safe everywhere)."""
     props = torch.cuda.get_device_properties(device_index)
     clock_khz = getattr(props, "memory_clock_rate", 0)
     bus_bits = getattr(props, "memory_bus_width", 0)
@@ -48,7 +43,6 @@ def launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
         return block, 16
     if block <= 32768 and bandwidth_per_sm(device.index) < ROW_ON_CHIP_MAX_BANDWIDTH_PER_SM:
         return block, 32
-    # Two passes over 4096-column blocks, 8 warps: measured on an H200 at V=128256 and an H100
-    # at V=32000 to 262144 faster than larger blocks, rows held in the registers of 16 or 32
-    # warps, persistent and software-pipelined grids, and L2 hints.
+    # Two passes over 4096-column blocks, 8 warps: faster on an H100 and an H200 (V=32000 to
+    # 262144) than larger blocks, 16-32 warps, persistent or pipelined grids, and L2 hints.
     return 4096, 8

@@ -1,23 +1,15 @@
 """Triton cross entropy over rows of logits, weighted per row.
 
-The kernel knows nothing about sequences: :mod:`packed_ce.targets` folds packing, shift and
-the reduction into one float32 coefficient per row, ``coef[t]``, and the kernel computes
-``loss[t] = coef[t] * l_t`` and its gradient ``dL/dx_j`` as docs/reference.md ("The loss,
-exactly") defines them, with ``g_t`` the upstream gradient of row ``t``.
-
-Two ways to run it, both one program per row:
-- fused (reductions "mean"/"sum" in eager mode): one launch computes the loss and the gradient
-  for ``g = 1``; backward only rescales by the scalar upstream gradient, and skips even that
-  on the device when it is 1. Where one block spans the row (on a GPU: V <= 16384, or 32768
-  on parts with less memory bandwidth per SM, see :mod:`packed_ce.kernels.config`) the row is read once
-  and held in registers from the logsumexp to the gradient: 2 * N * V element moves, the
-  floor. A longer row is read twice (pass 1 for the logsumexp, pass 2 for the gradient, mostly
-  from memory again) and written once: 3 * N * V (benchmarks/NOTES.md says what was tried to
-  remove the re-read).
-- recompute (reduction "none", whose upstream gradient is per row; fp16, whose gradient must
-  see the loss scale before it is rounded; and ``torch.compile``, whose functional ops cannot
-  hand back an in-place gradient): the forward writes the loss and ``lse``; the backward reads
-  the logits again and writes the gradient.
+``coef[t]`` (:mod:`packed_ce.targets`) folds packing, shift and the reduction into one float32
+weight per row; the kernel computes ``loss[t] = coef[t] * l_t`` and ``dL/dx_j`` as
+docs/reference.md ("The loss, exactly") defines them. One program per row, two ways:
+- fused ("mean"/"sum", eager): one launch gives the loss and the gradient for ``g = 1``; the
+  backward rescales by the scalar ``g`` (nothing when it is 1). A row one block spans
+  (:mod:`packed_ce.kernels.config`) is read once and held in registers: 2 * N * V element
+  moves, the floor; a longer row is read twice: 3 * N * V (benchmarks/NOTES.md).
+- recompute ("none", whose ``g`` is per row; fp16, whose gradient must see the loss scale
+  before rounding; ``torch.compile``, whose functional ops cannot return an in-place
+  gradient): the forward writes loss and ``lse``, the backward reads the logits again.
 
 Dimensions: N rows (tokens), V vocabulary.
 """
@@ -165,11 +157,9 @@ def _cross_entropy_kernel(
             x_sum = tl.zeros((), tl.float32)
             px_sum = tl.zeros((), tl.float32)  # sum_j exp(x_j - m) x_j, for the entropy
             if ROW_ON_CHIP:
-                # Pass 1 over the whole row at once, read N*V. The row stays in registers for
-                # the gradient below, so the logits are read once in all. The row's loads are
-                # issued first, the target's logit (whose address waits for the target) behind
-                # them; both land before the reductions' barriers, so before any warp writes
-                # the gradient, which may overwrite the logits in place.
+                # Pass 1 over the whole row, read N*V, kept in registers for the gradient. Both
+                # loads land before the reductions' barriers, so before any warp writes the
+                # gradient, which may overwrite the logits in place.
                 row_mask = cols < V
                 x_row, slope_row = _load_block(logits_row, cols, row_mask, softcap, HAS_SOFTCAP)
                 x_target = tl.load(logits_row + target).to(tl.float32)
@@ -279,9 +269,8 @@ def _scale_rows_kernel(
     # switches
     BLOCK_V: tl.constexpr,
 ):
-    # Backward of the fused path. The branch is taken on the device, so the common case of an
-    # upstream gradient of exactly 1 costs one launch of idle programs, no pass over N*V and no
-    # host sync; any other value (loss scaling, Trainer's loss * num_processes) is honoured.
+    # Backward of the fused path, branching on the device: g == 1 costs idle programs only, no
+    # pass over N*V and no host sync; any other g (loss scaling, * num_processes) is applied.
     scale = tl.load(scale_ptr).to(tl.float32)
     if scale != 1.0:
         cols = tl.arange(0, BLOCK_V)
@@ -297,95 +286,70 @@ def _scale_rows_kernel(
                 )
 
 
-def _launch(
-    logits, targets, coef, lse, floats, *, grad=None, grad_rows=None, loss=None, z_rows=None,
-    stats=None,
-):
-    """One launch of the row kernel; each optional buffer switches its part on: ``loss`` and
-    ``z_rows`` (then ``lse`` is written, else read), ``grad``, ``grad_rows``, ``stats``."""
-    n, vocab = logits.shape
-    if n == 0:
-        return
-    block, num_warps = _launch_config(vocab, logits.device)
-    label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
-    _cross_entropy_kernel[(n,)](
-        logits_ptr=logits,
-        grad_ptr=grad if grad is not None else logits,  # unused pointers stand in for others
-        targets_ptr=targets,
-        coef_ptr=coef,
-        grad_out_ptr=grad_rows if grad_rows is not None else coef,
-        loss_ptr=loss if loss is not None else lse,
-        z_ptr=z_rows if z_rows is not None else lse,
-        lse_ptr=lse,
-        stats_ptr=stats if stats is not None else lse,
-        V=vocab,
-        stride_logits_n=logits.stride(0),
-        stride_grad_n=grad.stride(0) if grad is not None else 0,
-        stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
-        stride_stats_n=stats.stride(0) if stats is not None else 0,
-        label_smoothing=label_smoothing,
-        z_loss_scale=z_loss_scale,
-        softcap=softcap,
-        COMPUTE_LOSS=loss is not None,
-        COMPUTE_GRAD=grad is not None,
-        HAS_GRAD_OUT=grad_rows is not None,
-        COMPUTE_STATS=stats is not None,
-        BLOCK_V=block,
-        num_warps=num_warps,
-    )
-
-
-def launch_forward(
+def launch(
     logits: torch.Tensor,
     targets: torch.Tensor,
     coef: torch.Tensor,
-    grad: torch.Tensor | None,
     floats,
     *,
+    lse: torch.Tensor | None = None,
+    grad: torch.Tensor | None = None,
+    grad_rows: torch.Tensor | None = None,
     stats: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Loss rows, z rows and lse; also the gradient for an upstream gradient of 1 if ``grad``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One launch of the row kernel: the forward, or (given ``lse``) the backward.
 
     Args:
         logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
         targets: ``(N,)`` int64. coef: ``(N,)`` fp32.
-        grad: ``(N, V)`` buffer of the logits' dtype (may be ``logits`` itself) or None.
         floats: ``(label_smoothing, z_loss_scale, softcap)``, a
             :class:`packed_ce.options.KernelFloats` (softcap 0.0: none).
-        stats: ``(N, >=2)`` fp32 buffer with unit column stride, or None: receives each row's
-            softmax entropy and 1.0 where the target is a top-1 class (0 for rows whose
-            ``coef`` is 0), from the same read of the logits as the loss.
+        lse: None for the forward; the forward's ``(N,)`` fp32 ``lse`` for the backward.
+        grad: ``(N, V)`` of the logits' dtype (may be ``logits``) or None: ``dL/dlogits`` for
+            ``g = 1`` (forward) or ``grad_rows`` (backward).
+        grad_rows: ``(N,)`` fp32 upstream gradient of the backward, any stride (0 broadcasts).
+        stats: forward only, ``(N, >=2)`` fp32 or None: each row's entropy and top-1 hit.
 
     Returns:
-        ``(loss, z, lse)``, each ``(N,)`` fp32.
+        The forward's ``(loss, z, lse)``, each ``(N,)`` fp32 (separate allocations: custom-op
+        outputs must not alias); None for the backward.
     """
-    # three allocations, not views of one: custom-op outputs must not alias each other
-    loss, z_rows, lse = (
-        torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device) for _ in range(3)
-    )
-    _launch(logits, targets, coef, lse, floats, grad=grad, loss=loss, z_rows=z_rows, stats=stats)
-    return loss, z_rows, lse
-
-
-def launch_backward(
-    logits: torch.Tensor,
-    grad: torch.Tensor,
-    targets: torch.Tensor,
-    coef: torch.Tensor,
-    lse: torch.Tensor,
-    grad_rows: torch.Tensor,
-    floats,
-) -> torch.Tensor:
-    """Writes ``dL/dlogits`` into ``grad`` from the saved ``lse`` and per-row upstream gradients.
-
-    Args:
-        logits, grad: ``(N, V)``, ``grad`` may be ``logits`` itself.
-        targets, coef, lse: ``(N,)`` int64 / fp32 / fp32 from the forward.
-        grad_rows: ``(N,)`` fp32 upstream gradient, any stride (0 for a broadcast scalar).
-        floats: as in :func:`launch_forward`.
-    """
-    _launch(logits, targets, coef, lse, floats, grad=grad, grad_rows=grad_rows)
-    return grad
+    n, vocab = logits.shape
+    forward = lse is None
+    loss = z_rows = None
+    if forward:
+        loss, z_rows, lse = (
+            torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(3)
+        )
+    if n > 0:
+        block, num_warps = _launch_config(vocab, logits.device)
+        label_smoothing, z_loss_scale, softcap = (float(value) for value in floats)
+        _cross_entropy_kernel[(n,)](
+            logits_ptr=logits,
+            grad_ptr=grad if grad is not None else logits,  # unused pointers stand in for others
+            targets_ptr=targets,
+            coef_ptr=coef,
+            grad_out_ptr=grad_rows if grad_rows is not None else coef,
+            loss_ptr=loss if forward else lse,
+            z_ptr=z_rows if forward else lse,
+            lse_ptr=lse,
+            stats_ptr=stats if stats is not None else lse,
+            V=vocab,
+            stride_logits_n=logits.stride(0),
+            stride_grad_n=grad.stride(0) if grad is not None else 0,
+            stride_grad_out_n=grad_rows.stride(0) if grad_rows is not None else 0,
+            stride_stats_n=stats.stride(0) if stats is not None else 0,
+            label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale,
+            softcap=softcap,
+            COMPUTE_LOSS=forward,
+            COMPUTE_GRAD=grad is not None,
+            HAS_GRAD_OUT=grad_rows is not None,
+            COMPUTE_STATS=stats is not None,
+            BLOCK_V=block,
+            num_warps=num_warps,
+        )
+    return (loss, z_rows, lse) if forward else None
 
 
 def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
@@ -410,9 +374,8 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 
 def _mark_overwritten(logits: torch.Tensor) -> None:
-    """Bumps the autograd version of ``logits``, whose storage now holds their gradient, so
-    that any other node that saved them for its backward raises PyTorch's "modified by an
-    inplace operation" error instead of silently reading the gradient as logits."""
+    """Bumps the autograd version of ``logits``, now holding their gradient: a node that saved
+    them raises "modified by an inplace operation" instead of reading the gradient as logits."""
     torch.autograd.graph.increment_version(logits)
 
 
@@ -428,19 +391,17 @@ class CrossEntropyFunction(torch.autograd.Function):
         floats,  # packed_ce.options.KernelFloats
         reduce: bool,  # True: return the sum of the rows ("mean"/"sum"); False: the rows
         inplace_backward: bool,
-        stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch_forward's two columns, loss rows
+        stats: torch.Tensor | None,  # (N, 3) fp32 out-buffer: launch's two columns, loss rows
     ) -> tuple[torch.Tensor, torch.Tensor]:
         needs_grad = ctx.needs_input_grad[0]
-        # With one scalar upstream gradient the whole gradient is known up to that scalar now,
-        # so compute it in the same pass that reads the logits for the loss. Not in fp16: its
-        # gradient entries (coef * p_j, often < 1e-7) would flush to zero before the backward
-        # could apply the loss scale that fp16 training relies on; fp16 recomputes in the
-        # backward with the scaled upstream gradient instead.
+        # A scalar upstream gradient: the gradient up to that scalar comes from the loss's pass.
+        # Not in fp16: entries coef * p_j (often < 1e-7) would flush to zero before the backward
+        # applies the loss scale; fp16 recomputes with the scaled upstream gradient.
         fused = needs_grad and reduce and logits.dtype != torch.float16
         grad = None
         if fused:
             grad = logits if inplace_backward else torch.empty_like(logits)
-        loss, z_rows, lse = launch_forward(logits, targets, coef, grad, floats, stats=stats)
+        loss, z_rows, lse = launch(logits, targets, coef, floats, grad=grad, stats=stats)
         if stats is not None:
             stats[:, 2] = loss  # the rows' weighted losses, before they are summed
         if fused and inplace_backward:
@@ -475,7 +436,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             grad = logits if ctx.inplace_backward else torch.empty_like(logits)
             # a 0-d upstream gradient (fp16 reductions) is broadcast with stride 0
             grad_rows = grad_loss.float().expand(logits.shape[0])
-            launch_backward(logits, grad, targets, coef, lse, grad_rows, ctx.floats)
+            launch(logits, targets, coef, ctx.floats, lse=lse, grad=grad, grad_rows=grad_rows)
             if ctx.inplace_backward:
                 _mark_overwritten(logits)
         # One gradient per forward input: logits, then none for targets, coef, floats, reduce,
@@ -497,8 +458,8 @@ def cross_entropy_forward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # stats are an output here (a custom op's outputs are fresh tensors): (N, 2), or (0, 2)
     stats = logits.new_empty((logits.shape[0] if compute_stats else 0, 2), dtype=torch.float32)
-    loss, z_rows, lse = launch_forward(
-        logits, targets, coef, None, floats, stats=stats if compute_stats else None
+    loss, z_rows, lse = launch(
+        logits, targets, coef, floats, stats=stats if compute_stats else None
     )
     return loss, z_rows, lse, stats
 
@@ -520,7 +481,8 @@ def cross_entropy_backward_op(
     floats: list[float],
 ) -> torch.Tensor:
     grad = torch.empty_like(logits)
-    return launch_backward(logits, grad, targets, coef, lse, grad_rows.float(), floats)
+    launch(logits, targets, coef, floats, lse=lse, grad=grad, grad_rows=grad_rows.float())
+    return grad
 
 
 @cross_entropy_backward_op.register_fake
@@ -547,27 +509,25 @@ cross_entropy_forward_op.register_autograd(_backward, setup_context=_setup_conte
 
 
 def triton_cross_entropy(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    coef: torch.Tensor,
-    floats,
-    *,
-    reduce: bool,
-    inplace_backward: bool,
-    stats: torch.Tensor | None = None,
+    logits: torch.Tensor, options, prepared, stats: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, z)``: 0-d fp32 sums if ``reduce``, else ``(N,)`` fp32 rows (z detached).
+    """``(loss, z)``: 0-d fp32 sums for "mean"/"sum", else ``(N,)`` fp32 rows (z detached).
+
+    The ``run`` of :func:`packed_ce.pipeline.run_loss`, bound to ``logits`` and ``options``.
 
     Args:
-        logits: ``(N, V)`` fp32/bf16/fp16 with unit column stride.
-        targets: ``(N,)`` int64; coef: ``(N,)`` fp32 (see :mod:`packed_ce.targets`).
-        floats: a :class:`packed_ce.options.KernelFloats`.
-        stats: ``(N, 3)`` fp32 buffer filled with each row's entropy and top-1 hit (see
-            :func:`launch_forward`) and its loss ``coef_t * l_t``, or None.
+        logits: ``(N, V)`` or ``(B, T, V)`` fp32/bf16/fp16. options: a LossOptions.
+        prepared: a :class:`packed_ce.targets.Targets` (``(N,)`` int64 targets, fp32 coef).
+        stats: ``(N, 3)`` fp32 (entropy, top-1 hit, ``coef_t * l_t``) or None.
     """
+    rows = logits.reshape(-1, logits.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    targets, coef, floats = prepared.targets, prepared.coef, options.kernel_floats
+    reduce = options.reduction != "none"
     if torch.compiler.is_compiling():
         loss, z_rows, _, row_stats = cross_entropy_forward_op(
-            logits, targets, coef, list(floats), stats is not None
+            rows, targets, coef, list(floats), stats is not None
         )
         if stats is not None:
             stats[:, :2] = row_stats
@@ -576,5 +536,5 @@ def triton_cross_entropy(
             return loss.sum(), z_rows.sum().detach()
         return loss, z_rows.detach()
     return CrossEntropyFunction.apply(
-        logits, targets, coef, floats, reduce, inplace_backward, stats
+        rows, targets, coef, floats, reduce, options.inplace_backward, stats
     )

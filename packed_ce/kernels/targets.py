@@ -1,12 +1,9 @@
 """Targets and per-token weights from labels and ``cu_seqlens`` in one launch, and the weights
 divided by the normaliser ``D`` in one more.
 
-The PyTorch version in :mod:`packed_ce.targets` takes about 25 small kernels (searchsorted,
-shifts, index_add, ...): a few microseconds of device time each and, worse, their host-side
-launch cost, which shows at small shapes and whenever a host sync empties the launch queue.
-Here one program per sequence counts its targets and writes them with their weights, reading
-the sequence's ``seq_targets`` / ``seq_weights`` entry when given (switches derived from the
-arguments, so a call without them compiles the kernel without those loads).
+The PyTorch path (:mod:`packed_ce.targets`) takes ~25 small launches, whose host cost shows at
+small shapes and after every host sync; here one program per sequence counts and writes its
+targets and weights.
 
 Dimensions: N tokens, S sequences.
 """
@@ -155,10 +152,8 @@ def _normalise_kernel(
     BLOCK: tl.constexpr,
 ):
     d = tl.load(count_ptr).to(tl.float32)
-    # scale(D) = 1 / D for D > 0; 0 for D == 0 (nothing to learn from: loss 0, zero gradients,
-    # never 0/0); NaN for a negative, infinite or NaN D (a value that was not checked). The
-    # division is rounded to nearest, as PyTorch's: an approximate one would differ in the last
-    # bit from the reference path.
+    # 1 / D for D > 0, 0 for D == 0, NaN for an unchecked bad D; rounded to nearest, as
+    # PyTorch's (an approximate division would differ from the reference in the last bit)
     inverse = tl.math.div_rn(tl.full((), 1.0, tl.float32), tl.maximum(d, 1e-30))
     scale = tl.where(d > 0.0, inverse, 0.0)
     scale = tl.where((d >= 0.0) & (d < float("inf")), scale, float("nan"))
@@ -169,8 +164,7 @@ def _normalise_kernel(
 
 
 def normalise(weight: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """``coef = weight * scale(D)`` (:mod:`packed_ce.targets`), in one launch where the PyTorch
-    form takes fourteen small launches (compares, clamp, reciprocal, where, isfinite, fills).
+    """``coef = weight * scale(D)`` (:mod:`packed_ce.targets`) in one launch, not fourteen.
 
     Args:
         weight: ``(N,)`` fp32 per-token weights ``w_t``, contiguous.

@@ -1,0 +1,84 @@
+"""The path from ``PackedTrainer.compute_loss`` to the launch of the Triton cross-entropy kernel
+stays short: at most ``MAX_HOPS`` Python frames of ``packed_ce/`` and ``collators/``.
+
+Counted on a real call: a tiny Llama with :func:`apply_packed_loss` (``backend="triton"``), a
+:class:`collators.PackedCollator` batch, ``PackedTrainer.compute_loss``. The kernel object is
+replaced by a recorder whose ``__getitem__`` (the ``kernel[grid]`` of the launch) takes
+``traceback.extract_stack()``; from the innermost ``compute_loss`` frame down to the launching
+frame, every frame whose file lies in ``packed_ce/`` or ``collators/`` is one hop (frames of
+torch, transformers and the test are not counted). On CPU the kernel runs through the Triton
+interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import TrainingArguments
+
+import packed_ce
+from collators import PackedCollator
+from packed_ce.integrations import PackedTrainer, apply_packed_loss
+from packed_ce.kernels import cross_entropy as kernel_module
+from packed_ce.runtime import interpreting
+
+from integration_utils import synthetic_conversations, tiny_model
+
+MAX_HOPS = 8
+VOCAB = 96
+ROOT = Path(packed_ce.__file__).resolve().parent.parent
+LIBRARY = (ROOT / "packed_ce", ROOT / "collators")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and not interpreting(), reason="the kernel on CPU needs TRITON_INTERPRET=1"
+)
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: records the Python stack of every ``kernel[grid](...)``."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.stacks: list[traceback.StackSummary] = []
+
+    def __getitem__(self, grid):
+        self.stacks.append(traceback.extract_stack()[:-1])  # without this frame
+        return self.kernel[grid]
+
+
+def library_hops(stack: traceback.StackSummary, entry: str) -> list[str]:
+    """``file:function`` of each library frame from the innermost ``entry`` frame to the last."""
+    start = max(i for i, frame in enumerate(stack) if frame.name == entry)
+    hops = []
+    for frame in stack[start:]:
+        path = Path(frame.filename).resolve()
+        if any(path.is_relative_to(folder) for folder in LIBRARY):
+            hops.append(f"{path.relative_to(ROOT)}:{frame.name}")
+    return hops
+
+
+def test_compute_loss_reaches_the_kernel_in_at_most_eight_hops(tmp_path, monkeypatch):
+    recorder = LaunchRecorder(kernel_module._cross_entropy_kernel)
+    monkeypatch.setattr(kernel_module, "_cross_entropy_kernel", recorder)
+    model = apply_packed_loss(tiny_model("llama", VOCAB).to(DEVICE), backend="triton")
+    conversations = synthetic_conversations([9, 14, 5, 11], VOCAB, seed=5)
+    batch = PackedCollator()([{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], save_strategy="no", use_cpu=DEVICE == "cpu"
+    )
+    trainer = PackedTrainer(model=model, args=args, train_dataset=conversations,
+                            data_collator=PackedCollator())
+    batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    loss = trainer.compute_loss(model, batch)
+
+    assert torch.isfinite(loss)
+    assert len(recorder.stacks) == 1  # one launch: loss and gradient in one pass
+    hops = library_hops(recorder.stacks[0], "compute_loss")
+    assert len(hops) <= MAX_HOPS, "\n".join(hops)
+    assert hops[0] == "packed_ce/integrations/trainer.py:compute_loss"
+    assert hops[-1] == "packed_ce/kernels/cross_entropy.py:launch"
