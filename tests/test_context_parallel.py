@@ -348,7 +348,7 @@ def trainer_worker(
         common = dict(
             max_steps=1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
             optim="sgd", per_device_train_batch_size=len(TRAIN_LENGTHS) * WORLD // world,
-            logging_steps=1,
+            per_device_eval_batch_size=len(TRAIN_LENGTHS) * WORLD // world, logging_steps=1,
             report_to=[], save_strategy="no", use_cpu=not on_gpus, ddp_backend=backend, bf16=False,
             dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
             parallelism_config=ParallelismConfig(cp_size=WORLD, dp_shard_size=world // WORLD),
@@ -369,7 +369,7 @@ def trainer_worker(
             apply_packed_loss(model)
             trainer = PackedTrainer(
                 model=model, args=TrainingArguments(out_dir, **common), train_dataset=data,
-                data_collator=PackedCollator(),
+                eval_dataset=data, data_collator=PackedCollator(),
             )
         else:
             from integration_utils import sft_args, tiny_tokenizer
@@ -377,9 +377,10 @@ def trainer_worker(
 
             trainer = PackedSFTTrainer(
                 model=model, args=sft_args(out_dir, padding_free=True, max_length=None, **common),
-                train_dataset=data, processing_class=tiny_tokenizer(VOCAB),
+                train_dataset=data, eval_dataset=data, processing_class=tiny_tokenizer(VOCAB),
             )
         trainer.train()
+        evaluation = trainer.evaluate()
         from packed_ce.integrations.context_parallel import context_parallel_of
 
         assert context_parallel_of(trainer.model).world_size == WORLD
@@ -388,13 +389,17 @@ def trainer_worker(
             name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
             for name, p in trainer.model.named_parameters()
         }
-        torch.save({"params": params, "logs": logs}, os.path.join(out_dir, f"{trainer_name}-rank{rank}.pt"))
+        torch.save(
+            {"params": params, "logs": logs, "eval_loss": evaluation["eval_loss"]},
+            os.path.join(out_dir, f"{trainer_name}-rank{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
 
 def reference_step() -> tuple[dict, dict]:
-    """One SGD step of every conversation alone, weighted; the per-source means before it."""
+    """One SGD step of every conversation alone, weighted; the per-source means before it and
+    the weighted per-conversation mean after it (``"eval_loss"``)."""
     from integration_utils import one_at_a_time, per_conversation_sgd_step
 
     model = tiny_model("llama", VOCAB)
@@ -404,6 +409,8 @@ def reference_step() -> tuple[dict, dict]:
         mine = [c for c in conversations if c["source"] == source]
         by_source[f"loss/{source}"] = float(one_at_a_time(model, mine, [c["weight"] for c in mine]))
     per_conversation_sgd_step(model, conversations, lr=LR, weights=TRAIN_WEIGHTS)
+    with torch.no_grad():
+        by_source["eval_loss"] = float(one_at_a_time(model, conversations, TRAIN_WEIGHTS))
     return {name: p.detach() for name, p in model.named_parameters()}, by_source
 
 
@@ -442,8 +449,9 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, 
             {k: result["params"][k] - initial[k] for k in initial},
             {k: expected[k] - initial[k] for k in initial},
         )
+        logged = {**result["logs"], "eval_loss": result["eval_loss"]}
         for key, value in by_source.items():
-            assert abs(result["logs"][key] - value) <= 1e-5 * abs(value), (key, result["logs"])
+            assert abs(logged[key] - value) <= 1e-5 * abs(value), (key, logged)
 
 
 @pytest.mark.cuda

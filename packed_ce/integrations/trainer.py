@@ -116,6 +116,26 @@ class PackedNormaliserMixin:
             inputs, rank, size, ignore_index=loss.ignore_index
         )
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Under context parallelism, the evaluation loss as the training step computes it: the
+        row's normaliser, then this rank's shard (trl's ``prediction_step`` does neither: every
+        rank would run the whole row). Each rank returns its share times the number of
+        processes, so the evaluation loop's mean over the ranks is the row's loss."""
+        if self._context_parallel is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only:
+            raise ValueError(
+                f"{type(self).__name__}: under context parallelism each rank holds a shard of the "
+                "row, so evaluation gives the loss only: leave out compute_metrics and "
+                "prediction_loss_only=False"
+            )
+        inputs = self._prepare_inputs(inputs)
+        count = self._get_num_items_in_batch([inputs], self.args.device)
+        _, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=count)
+        return loss.detach(), None, None
+
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
         for column in ROW_COLUMNS:  # the collator's inputs
