@@ -110,9 +110,10 @@ class _GatherRow(torch.autograd.Function):
         (order,) = ctx.saved_tensors
         state = ctx.state
         # row order -> rank-major, in a new contiguous buffer: the gradient arrives as a permuted
-        # view of (1, H, T, D), zeros_like would keep its strides, and NCCL's reduce-scatter
-        # splits the raw memory, not the first dimension (the keys' gradients came back mixed)
-        ranked = grad.new_zeros(grad.shape).index_copy_(0, order, grad)
+        # view of (1, H, T, D), a *_like buffer would keep its strides, and NCCL's reduce-scatter
+        # splits the raw memory, not the first dimension (the keys' gradients came back mixed).
+        # order is a permutation of the T entries: every one is written, none needs zeroing.
+        ranked = grad.new_empty(grad.shape).index_copy_(0, order, grad)
         local = grad.shape[0] // state.world_size
         if dist.get_backend(state.group) == "nccl":
             own = grad.new_empty((local, *grad.shape[1:]))

@@ -100,6 +100,8 @@ def _plain(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
     weight still sharded is gathered whole (no gradient to return); a trainable one is refused:
     its gradient would skip FSDP's reduce-scatter.
     """
+    if not torch.distributed.is_available():  # a torch built without it has no DTensor
+        return tensor
     from torch.distributed.tensor import DTensor
 
     if not isinstance(tensor, DTensor):
