@@ -34,6 +34,8 @@ CU_SEQ_LENS_Q = "cu_seq_lens_q"
 CU_SEQ_LENS_K = "cu_seq_lens_k"
 MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
+# What a context-parallel shard is (collators.shard_batch): a ShardRecord the model's forward checks.
+SHARD = "context_parallel_shard"
 
 # The columns packing writes (a carried data set column may take none of these names).
 PACKED_ROW_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES)

@@ -7,16 +7,60 @@ add up to the whole batch's loss; labels are shifted before the cut, so no chunk
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Mapping
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .checks import positive_int, targets_per_sequence
 from .columns import (
-    CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
-    SHIFT_LABELS,
+    ATTENTION_MASK, CU_SEQ_LENS_Q, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES,
+    SEQ_TARGETS, SEQ_WEIGHTS, SHARD, SHIFT_LABELS,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+    """What a shard is, so that a context-parallel forward can refuse one it cannot use exactly.
+
+    Attributes:
+        rank, world_size (``int``): the rank it was cut for, of how many.
+        row_length (``int``): ``T``, the whole row's tokens.
+        row_checksum (``int``): a hash of the whole row's tokens and boundaries: the ranks of a group must shard
+            the same row (a data-parallel loader giving each rank its own batch would not).
+    """
+
+    rank: int
+    world_size: int
+    row_length: int
+    row_checksum: int
+
+
+def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where sequences start under transformers' rule: each row's first token, and wherever
+    ``position_ids[t] != position_ids[t - 1] + 1``.
+
+    Args:
+        position_ids (``torch.Tensor``): ``(B, T)`` or ``(T,)`` integer.
+
+    Returns:
+        ``torch.Tensor``: ``(B * T,)`` bool, True at each sequence's first token.
+    """
+    positions = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts.reshape(-1)
+
+
+def _row_checksum(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
+    """63 bits of a hash of the row's tokens and boundaries (one copy of the row to the host)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in (input_ids, cu_seqlens):
+        digest.update(tensor.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1
 
 
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
@@ -44,6 +88,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
         - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
         - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.
+        - ``context_parallel_shard`` (``ShardRecord``): the rank, world size and row it was cut for, which the
+          model's forward checks (``enable_context_parallel``).
 
     Example:
 
@@ -144,6 +190,7 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         SHIFT_LABELS: shift_labels[local][None],
         CU_SEQLENS: torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
         SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(input_ids.device)[sequence_of].to(torch.int32),
+        SHARD: ShardRecord(rank, world_size, num_tokens, _row_checksum(input_ids, cu_seqlens)),
     }
     if SEQ_WEIGHTS in per_sequence:
         shard[SEQ_WEIGHTS] = per_sequence[SEQ_WEIGHTS].to(input_ids.device)[sequence_of].to(torch.float64)
@@ -153,6 +200,54 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
             raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
         shard[SEQ_SOURCES] = [sources[index] for index in sequence_of.tolist()]
     return shard
+
+
+def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
+    """One context-parallel rank's share of a one-row batch from any packing collator (the trainers' way).
+
+    The row's boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` (trl's padding-free batches) or the restarts
+    of ``position_ids``; it is padded to a multiple of ``2 * world_size`` with a segment that has no target, weight
+    0 and no source, then cut by ``shard_batch``. Whole-row keys (``max_seqlen``, the varlen keywords) are left out.
+
+    Args:
+        batch (``dict``): ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the boundaries,
+            optionally ``seq_targets``, ``seq_weights`` ``(S,)`` and ``seq_sources`` (list of ``S``).
+        rank (``int``), world_size (``int``): this rank within the context-parallel group, and its size.
+        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+
+    Raises:
+        ``ValueError``: a batch of several rows (padded, not packed) or with an ``attention_mask``.
+    """
+    input_ids, labels = batch[INPUT_IDS], batch[LABELS]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get(ATTENTION_MASK) is not None:
+        raise ValueError(
+            "context parallelism needs one packed row per batch (PackedCollator, or trl's padding_free=True), got "
+            f"input_ids of shape {tuple(input_ids.shape)}"
+            + (" and an attention_mask" if batch.get(ATTENTION_MASK) is not None else "")
+        )
+    length = input_ids.shape[1]
+    cu_seqlens = batch.get(CU_SEQLENS)
+    if cu_seqlens is None:
+        cu_seqlens = batch.get(CU_SEQ_LENS_Q)
+    if cu_seqlens is None:
+        position_ids = batch.get(POSITION_IDS)
+        starts = position_restarts(position_ids) if position_ids is not None else torch.arange(length) == 0
+        cu_seqlens = F.pad(starts.nonzero().flatten(), (0, 1), value=length)
+    cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
+    padding = -length % (2 * world_size)
+    row = {INPUT_IDS: input_ids, LABELS: labels, CU_SEQLENS: cu_seqlens}
+    row.update((key, batch[key]) for key in (SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES) if batch.get(key) is not None)
+    if padding:
+        row[INPUT_IDS] = F.pad(input_ids, (0, padding), value=0)
+        row[LABELS] = F.pad(labels, (0, padding), value=ignore_index)
+        row[CU_SEQLENS] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
+        if SEQ_TARGETS in row:
+            row[SEQ_TARGETS] = torch.cat((row[SEQ_TARGETS], row[SEQ_TARGETS].new_ones(1)))
+        if SEQ_WEIGHTS in row:
+            row[SEQ_WEIGHTS] = torch.cat((row[SEQ_WEIGHTS], row[SEQ_WEIGHTS].new_zeros(1)))
+        if SEQ_SOURCES in row:
+            row[SEQ_SOURCES] = list(row[SEQ_SOURCES]) + [None]
+    return shard_batch(row, rank, world_size, ignore_index=ignore_index)
 
 
 def _describe(value) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from collators.sharding import position_restarts
+
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
 from .records import own_targets
 from .validation import check_labels, check_tensor, checked_boundaries
@@ -59,10 +61,8 @@ def sequence_ids(
     rows = labels.shape[0] if labels.dim() == 2 else 1
     row_len = n // rows if rows else 0
     if position_ids is not None:
-        pos = position_ids.reshape(rows, row_len).to(torch.int64)
-        starts = torch.ones_like(pos, dtype=torch.bool)
-        starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-        return torch.cumsum(starts.reshape(-1), 0) - 1, max(n, 1)
+        starts = position_restarts(position_ids.reshape(rows, row_len))
+        return torch.cumsum(starts, 0) - 1, max(n, 1)
     seq = torch.arange(rows, device=device).repeat_interleave(row_len)
     return seq, max(rows, 1)
 

@@ -42,8 +42,15 @@ def test_two_ranks_exact():
     assert rank1["seq_targets"].tolist() == [2, 4, 4]
     assert rank1["seq_weights"].tolist() == [1.0, 2.5, 2.5]
     assert set(rank0) == {
-        "input_ids", "labels", "position_ids", "shift_labels", "cu_seqlens", "seq_targets", "seq_weights"
+        "input_ids", "labels", "position_ids", "shift_labels", "cu_seqlens", "seq_targets", "seq_weights",
+        "context_parallel_shard",
     }
+    # each shard records what it is: the model's forward refuses one cut for another rank or row
+    record = rank1["context_parallel_shard"]
+    assert (record.rank, record.world_size, record.row_length) == (1, 2, 16)
+    assert record.row_checksum == rank0["context_parallel_shard"].row_checksum
+    other = PackedCollator()([EXAMPLES[1], EXAMPLES[0], EXAMPLES[2]])
+    assert shard_batch(other, 1, 2)["context_parallel_shard"].row_checksum != record.row_checksum
 
 
 def local_weighted_sum(table, shard, logits=None):

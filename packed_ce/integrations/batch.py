@@ -98,13 +98,15 @@ def count_num_items(
     :func:`packed_ce.count_normaliser` summed over the micro-batches and, with ``all_reduce``, the
     processes: passed to each micro-batch's loss, the step's gradients are those of one loss over
     the global batch. Data-parallel wrappers average over the ``W`` processes: multiply each loss
-    by ``W`` (the Trainer does with ``average_tokens_across_devices=True``).
+    by ``W`` (the Trainer does with ``average_tokens_across_devices=True``). Under context
+    parallelism each rank counts the whole batch it shards, as here; the model divides by the
+    group's size (:func:`enable_context_parallel`).
 
     Args:
         batches: one batch or a step's micro-batches, with ``labels`` (or ``shift_labels``).
         is_packed, shift, ignore_index: as the loss's.
         all_reduce: sum over the processes of ``group`` (default: the world) when
-            ``torch.distributed`` is initialised, each context-parallel row counted once.
+            ``torch.distributed`` is initialised.
 
     Returns:
         0-d tensor on the labels' device (the current CUDA device with NCCL): int64, or float64
@@ -131,13 +133,6 @@ def count_num_items(
         if torch.distributed.get_backend(group) == "nccl":
             total = total.to(torch.device("cuda", torch.cuda.current_device()))
         torch.distributed.all_reduce(total, group=group)
-        # the ranks of a context-parallel group hold the same rows: each row counted once
-        # (imported here: context_parallel imports the loss, which imports this module)
-        from .context_parallel import ranks_per_row
-
-        sharing = ranks_per_row(group)
-        if sharing > 1:
-            total = total / sharing if total.is_floating_point() else total // sharing
     return total
 
 

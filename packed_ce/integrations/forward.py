@@ -17,6 +17,7 @@ from torch import nn
 
 from collators.columns import LABELS, SHIFT_LABELS
 
+from .context_parallel.install import prepare_call
 from .guards import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
@@ -163,7 +164,8 @@ def make_forward(model: nn.Module) -> Callable:
     """``model``'s forward on a checked call, with the signature of its own forward; the loss from
     the hidden states where fused.
 
-    The call is made exact or refused (:func:`checked_call`). Fused, training, with ``labels``: the
+    The call is made exact or refused (:func:`prepare_call` for context parallelism, then
+    :func:`checked_call`). Fused, training, with ``labels``: the
     decoder runs and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its
     ``(B, T, H)`` hidden states and ``lm_head`` (soft-capped by ``final_logit_softcapping``),
     ``logits=None``; else the model's own forward. Looked up at call time, so a
@@ -175,7 +177,7 @@ def make_forward(model: nn.Module) -> Callable:
     @functools.wraps(type(model).forward)
     def forward(self, *args, **kwargs):
         installation = self._packed_ce
-        kwargs = checked_call(args, kwargs)
+        kwargs = checked_call(args, prepare_call(self, kwargs))
         labels = kwargs.get(LABELS)
         fused = installation.fused_options is not None
         _running.depth = getattr(_running, "depth", 0) + 1

@@ -17,11 +17,13 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback
 
-from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, source_names
+from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, SHARD, source_names
+from collators.sharding import shard_for_rank
 
 from ..pending import check_pending
 from .batch import count_num_items
-from .context_parallel import context_parallel_of, enable_context_parallel, shard_for_rank
+from .context_parallel import context_parallel_of, enable_context_parallel
+from .context_parallel.install import ContextParallel
 from .data_checks import check_datasets
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
@@ -52,8 +54,7 @@ class PackedNormaliserMixin:
     - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
-    _context_parallel: tuple[int, int] | None = None  # (rank, size) in the context-parallel group
-    _row_sharded = False  # set by _prepare_context_parallel_inputs, taken by the next model call
+    _context_parallel: ContextParallel | None = None  # the model's, under ParallelismConfig(cp_size)
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
 
@@ -99,21 +100,19 @@ class PackedNormaliserMixin:
                 f"{type(self).__name__}: context parallelism (cp_size) combines with data "
                 "parallelism only; set tp_size and sp_size to 1"
             )
-        mesh = self.accelerator.torch_device_mesh["cp"]
         if context_parallel_of(self.model) is None:
-            enable_context_parallel(self.model, group=mesh.get_group())
-        self._context_parallel = (mesh.get_local_rank(), config.cp_size)
+            group = self.accelerator.torch_device_mesh["cp"].get_group()
+            enable_context_parallel(self.model, group=group)
+        self._context_parallel = context_parallel_of(self.model)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """This rank's shard of the row (:func:`shard_for_rank`), in place of accelerate's ring
         attention, which would let conversations attend to each other."""
         if self._context_parallel is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
-        rank, size = self._context_parallel
-        loss = packed_loss_of(self.model)
-        self._row_sharded = True
+        state, loss = self._context_parallel, packed_loss_of(self.model)
         return contextlib.nullcontext, shard_for_rank(
-            inputs, rank, size, ignore_index=loss.ignore_index
+            inputs, state.rank, state.world_size, ignore_index=loss.ignore_index
         )
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -166,7 +165,7 @@ class PackedNormaliserMixin:
         Returns:
             ``loss``, or ``(loss, outputs)`` with ``return_outputs``.
         """
-        if self._context_parallel is not None and not self._row_sharded:
+        if self._context_parallel is not None and SHARD not in inputs:
             # a Trainer that no longer calls the override would feed every rank the whole row
             raise RuntimeError(
                 f"context parallelism: this transformers {transformers.__version__} Trainer did "
@@ -174,7 +173,6 @@ class PackedNormaliserMixin:
                 "row was not sharded; packed-ce is tested with "
                 f"{CHECKED} (packed_ce/integrations/seams.py)"
             )
-        self._row_sharded = False
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
@@ -247,11 +245,8 @@ class PackedNormaliserMixin:
             all_reduce=False,
         ).to(device)
         if self.args.world_size > 1:
+            # under context parallelism each rank of a group counts its row: the model divides
             count = self.accelerator.gather(count).sum()
-        if self._context_parallel is not None:
-            # the ranks of a context-parallel group hold the same rows: each counted them once
-            size = self._context_parallel[1]
-            count = count / size if count.is_floating_point() else count // size
         return count
 
 

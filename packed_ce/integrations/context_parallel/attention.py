@@ -1,0 +1,175 @@
+"""The attention of a context-parallel layer: this rank's queries over the whole row's keys.
+
+Registered once with transformers' attention interface under :data:`ATTENTION_NAME`; it holds no
+state: the row's :class:`~.layout.RowLayout` comes with each call (:data:`ROW_LAYOUT`). The keys and
+values are all-gathered per layer and copied once into row order; the gather's backward is a
+reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
+asks of its attention is done exactly or refused: sliding windows (the mask), an attention logit
+softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score), attention sinks (gpt-oss: a
+per-head logit in the softmax's denominator only), dropout (refused).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .layout import RowLayout
+
+ATTENTION_NAME = "packed_ce_context_parallel"
+# The model-call keyword carrying the forward's RowLayout down to every layer.
+ROW_LAYOUT = "packed_ce_row_layout"
+# Configuration fields holding a family's attention dropout (named in the refusal).
+DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+class _GatherRow(torch.autograd.Function):
+    """The tokens of every rank in row order: ``x`` ``(L, H, D)`` of each rank -> ``(T, H, D)``.
+
+    Forward: all-gather (rank-major), then one copy into row order. Backward: back to rank-major,
+    reduce-scatter (every rank's queries read each rank's keys and values).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        ctx.layout = layout
+        x = x.contiguous()
+        gathered = x.new_empty((layout.world_size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(gathered, x, group=layout.group)
+        return gathered.index_select(0, layout.order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        layout = ctx.layout
+        # row order -> rank-major, in a new contiguous buffer: the gradient arrives as a permuted
+        # view of (1, H, T, D), a *_like buffer would keep its strides, and NCCL's reduce-scatter
+        # splits the raw memory, not the first dimension (the keys' gradients came back mixed).
+        # order is a permutation of the T entries: every one is written, none needs zeroing.
+        ranked = grad.new_empty(grad.shape).index_copy_(0, layout.order, grad)
+        local = grad.shape[0] // layout.world_size
+        if dist.get_backend(layout.group) == "nccl":
+            own = grad.new_empty((local, *grad.shape[1:]))
+            dist.reduce_scatter_tensor(own, ranked, group=layout.group)
+        else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
+            dist.all_reduce(ranked, group=layout.group)
+            own = ranked[layout.rank * local : (layout.rank + 1) * local]
+        return own, None  # no gradient for the layout
+
+
+def gather_row(x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    """``x`` ``(1, H, L, D)`` of every rank as the whole row ``(1, H, T, D)``, in row order.
+
+    Keys are ``(1, L, H, D)`` transposed, so the token-major view needs no copy.
+    """
+    rows = _GatherRow.apply(x[0].transpose(0, 1), layout)  # (T, H, D)
+    return rows.transpose(0, 1)[None]
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with a sink logit per head from attention without: ``p_k = e^{s_k} / (Z + e^{sink})``
+    is ``e^{s_k} / Z`` times ``Z / (Z + e^{sink}) = sigmoid(lse - sink)``.
+
+    Args:
+        out: ``(1, Hq, L, D)`` attention output without sinks. lse: ``(1, Hq, L)`` float32,
+            natural-log ``logsumexp`` of the scaled scores. sinks: ``(Hq,)``.
+    """
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(dtype) - sinks.to(dtype)[None, :, None])
+    return (out.to(dtype) * keep[..., None]).to(out.dtype)
+
+
+def _softcap_mod(softcap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def _dense(query, keys, values, mask, scaling, softcap, sinks) -> torch.Tensor:
+    """Short rows and CPU: sdpa with the dense ``(L, T)`` mask; with a softcap or sinks the
+    scores themselves, in float32 at least (as transformers' eager attention)."""
+    groups = query.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(groups, dim=1)
+    values = values.repeat_interleave(groups, dim=1)
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    dtype = torch.promote_types(query.dtype, torch.float32)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query.to(dtype), keys.to(dtype).transpose(-1, -2)) * scale  # (1, Hq, L, T)
+    if softcap is not None:
+        scores = _softcap_mod(softcap)(scores, None, None, None, None)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = scores.logsumexp(-1)  # (1, Hq, L); every query sees itself: finite
+    out = torch.matmul(torch.exp(scores - lse[..., None]), values.to(dtype)).to(query.dtype)
+    return out if sinks is None else _with_sinks(out, lse, sinks)
+
+
+# flex_attention compiled once per process and shared by every model (eager flex attention
+# materialises the (L, T) scores); see integrations/seams.py, GLOBAL_STATE.
+_compiled_flex_attention = None
+
+
+def _flex(query, keys, values, block_mask, scaling, softcap, sinks) -> torch.Tensor:
+    """Long rows on CUDA: flex attention with the block mask; the sinks from its logsumexp."""
+    global _compiled_flex_attention
+    if _compiled_flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex_attention = torch.compile(flex_attention)
+    score_mod = None if softcap is None else _softcap_mod(softcap)
+    common = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    if sinks is None:
+        return _compiled_flex_attention(query, keys, values, **common)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = _compiled_flex_attention(query, keys, values, return_aux=AuxRequest(lse=True), **common)
+    return _with_sinks(out, aux.lse, sinks)
+
+
+def attention(
+    module: nn.Module,
+    query: torch.Tensor,  # (B=1, Hq, L, D)
+    key: torch.Tensor,  # (1, Hkv, L, D)
+    value: torch.Tensor,  # (1, Hkv, L, D)
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as :data:`ATTENTION_NAME` (transformers' interface).
+
+    Returns:
+        ``(1, L, Hq, D)`` output in the query's dtype, and no attention weights.
+
+    Raises:
+        ValueError: without the row layout (a decoder or layer called past the model's forward),
+            with attention dropout in training, or for a non-causal call.
+    """
+    layout = kwargs.get(ROW_LAYOUT)
+    if layout is None:
+        raise ValueError(
+            f"{type(module).__name__}: context-parallel attention needs the row laid out by the "
+            "model's forward: call the model itself with the shard of collators.shard_batch, not "
+            "its decoder or a layer"
+        )
+    if dropout:
+        config = getattr(module, "config", None)
+        fields = [f"config.{name}" for name in DROPOUT_FIELDS if getattr(config, name, None)]
+        raise ValueError(
+            f"{type(module).__name__} applies attention dropout p={dropout} in training, which "
+            f"context-parallel attention does not: set {' / '.join(fields) or 'its attention dropout'} "
+            "to 0.0"
+        )
+    if kwargs.get("is_causal") is False:
+        raise ValueError(
+            f"{type(module).__name__} asks for non-causal attention, which context parallelism "
+            "does not provide"
+        )
+    keys = gather_row(key, layout)  # (1, Hkv, T, D)
+    values = gather_row(value, layout)
+    mask = layout.mask(kwargs.get("sliding_window"), query.device)
+    compute = _dense if isinstance(mask, torch.Tensor) else _flex
+    out = compute(query, keys, values, mask, scaling, kwargs.get("softcap"), kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None

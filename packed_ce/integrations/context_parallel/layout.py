@@ -1,0 +1,98 @@
+"""Who holds which tokens of a context-parallel row, and which keys each query may see.
+
+Rank ``r`` of ``W`` holds the zig-zag chunks ``r`` and ``2W - 1 - r`` of the row's ``2W`` chunks of
+``C`` tokens (:func:`collators.shard_batch`). Query ``q`` sees key ``k`` iff both are in the same
+conversation (transformers' ``position_ids`` restart rule, on the gathered row), ``k <= q``, and,
+on a sliding-window layer of window ``w``, ``q - k < w`` (transformers' ``sliding_window_overlay``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...targets import sequence_ids
+
+# Up to this many (query, key) pairs the dense boolean mask (16 MiB) is cheaper than building a
+# block mask; flex attention's kernels for fewer than 128 queries (its decoding kernels) also
+# fail to compile for some shapes (float32, grouped heads: "No choices to select").
+DENSE_MASK_ELEMENTS = 2**24
+
+
+@dataclass
+class RowLayout:
+    """What the attention of every layer needs about the row: built once per forward, handed to
+    the layers as a keyword (so a recompute under gradient checkpointing uses its own forward's).
+
+    Attributes:
+        group, rank, world_size: the ranks sharing the row.
+        order: ``(T,)`` int64: row token ``t`` is entry ``order[t]`` of the rank-major gather.
+        documents: ``(T,)`` int64 conversation of each row token.
+        queries: ``(L,)`` int64 row index of each local token.
+        masks: per sliding window (None: none), built on first use: a flex-attention block mask
+            (CUDA, long rows) or the dense ``(L, T)`` bool mask.
+    """
+
+    group: object
+    rank: int
+    world_size: int
+    order: torch.Tensor
+    documents: torch.Tensor
+    queries: torch.Tensor
+    masks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def gather(cls, group, rank: int, world_size: int, position_ids: torch.Tensor) -> RowLayout:
+        """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = 2C``) and derives
+        conversations, query rows and the order. Every rank's ``L`` is known to agree."""
+        local = position_ids.shape[1]
+        chunk = local // 2
+        device = position_ids.device
+        gathered = position_ids.new_empty(world_size * local)  # rank-major
+        dist.all_gather_into_tensor(gathered, position_ids[0].contiguous(), group=group)
+        # entry (r, half, i) of the gather is row token chunk(r, half) * C + i
+        chunk_of = torch.tensor(
+            [[r, 2 * world_size - 1 - r] for r in range(world_size)], device=device
+        )  # (W, 2)
+        row_index = (chunk_of[:, :, None] * chunk + torch.arange(chunk, device=device)).reshape(-1)
+        order = torch.empty_like(row_index)
+        order[row_index] = torch.arange(row_index.numel(), device=device)
+        positions = gathered[order]  # (T,) in row order
+        documents, _ = sequence_ids(positions, None, positions)
+        queries = row_index.reshape(world_size, local)[rank]
+        return cls(group, rank, world_size, order, documents, queries)
+
+    def mask_mod(self, window: int | None):
+        """The rule ``(b, h, q, k) -> bool`` on local query and row key indices, elementwise on
+        broadcast indices: flex attention's ``mask_mod`` and the dense mask alike."""
+        documents, queries = self.documents, self.queries
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            row = queries[q_idx]
+            visible = (documents[row] == documents[kv_idx]) & (kv_idx <= row)
+            if window is not None:
+                visible = visible & (row - kv_idx < window)
+            return visible
+
+        return mask_mod
+
+    def mask(self, window: int | None, device: torch.device):
+        """The mask of layers with sliding window ``window`` (None: full causal), built once."""
+        if window not in self.masks:
+            local, total = self.queries.numel(), self.documents.numel()
+            mask_mod = self.mask_mod(window)
+            if device.type == "cuda" and local * total > DENSE_MASK_ELEMENTS:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                # evaluated block by block: never the (L, T) dense mask
+                self.masks[window] = create_block_mask(
+                    mask_mod, None, None, local, total, device=device, _compile=True
+                )
+            else:  # each query sees itself: no row is empty
+                self.masks[window] = mask_mod(
+                    None, None, torch.arange(local, device=device)[:, None],
+                    torch.arange(total, device=device)[None, :],
+                )
+        return self.masks[window]
