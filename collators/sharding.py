@@ -1,8 +1,12 @@
 """Context parallelism: one rank's share of a packed batch, with the weights its targets need.
 
-Rank ``r`` of ``W`` takes chunks ``r`` and ``2 W - 1 - r`` of ``2 W`` ("zig-zag": one cheap and one costly chunk
-under causal attention). ``seq_targets`` carries each conversation's target count, so the ranks' weighted sums
-add up to the whole batch's loss; labels are shifted before the cut, so no chunk loses its last target.
+The row is cut into ``W * m`` chunks of ``C`` tokens (``m`` per rank: 2, or more for long rows, chunks of about
+``CHUNK_TOKENS``) and each rank gets ``m`` of them, chosen so that the ranks' attention work is balanced: a token
+attends to every earlier token of its own conversation, so a chunk's work is the sum of its tokens' positions + 1,
+and the chunks are dealt out largest first, each to the rank with the least work so far (for one conversation over
+the whole row and ``m = 2`` this is the "zig-zag" of chunks ``r`` and ``2 W - 1 - r``). ``seq_targets`` carries each
+conversation's target count, so the ranks' weighted sums add up to the whole batch's loss; labels are shifted
+before the cut, so no chunk loses its last target.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ from .columns import (
 )
 
 
+# Long rows are cut into chunks of at least this many tokens (a multiple of flex attention's 128-token blocks):
+# finer chunks balance the ranks' attention work over conversations of mixed lengths.
+CHUNK_TOKENS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardRecord:
     """What a shard is, so that a context-parallel forward can refuse one it cannot use exactly.
@@ -31,12 +40,56 @@ class ShardRecord:
         row_length (``int``): ``T``, the whole row's tokens.
         row_checksum (``int``): a hash of the whole row's tokens and boundaries: the ranks of a group must shard
             the same row (a data-parallel loader giving each rank its own batch would not).
+        chunks (``tuple``): ``W`` tuples of ``m`` ascending chunk indices, the chunks each rank holds.
     """
 
     rank: int
     world_size: int
     row_length: int
     row_checksum: int
+    chunks: tuple[tuple[int, ...], ...]
+
+
+def _chunks_per_rank(per_rank: int) -> int:
+    """``m``: the most chunks of at least ``CHUNK_TOKENS`` tokens that divide a rank's even share, at least 2."""
+    for count in range(per_rank // CHUNK_TOKENS, 2, -1):
+        if per_rank % count == 0:
+            return count
+    return 2
+
+
+def balanced_chunks(lengths: np.ndarray, num_tokens: int, world_size: int) -> np.ndarray:
+    """Which chunks each rank holds: the ranks' causal attention work balanced (the module docstring).
+
+    Args:
+        lengths (``np.ndarray``): ``(S,)`` int64 sequence lengths, summing to ``num_tokens``, a multiple of
+            ``2 * world_size``.
+
+    Returns:
+        ``np.ndarray``: ``(world_size, m)`` int64, each row the ascending chunk indices of one rank.
+
+    Example:
+
+    >>> balanced_chunks(np.array([8]), 8, 2)  # one conversation: the zig-zag
+    array([[0, 3],
+           [1, 2]])
+    >>> balanced_chunks(np.array([4, 4]), 8, 2)  # two: a chunk of each
+    array([[0, 3],
+           [1, 2]])
+    """
+    per_rank = num_tokens // world_size
+    count = _chunks_per_rank(per_rank)
+    size = per_rank // count
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    work = (np.arange(num_tokens) - starts + 1).reshape(world_size * count, size).sum(1)
+    load, held = np.zeros(world_size), np.zeros(world_size, dtype=np.int64)
+    owner = np.empty(len(work), dtype=np.int64)
+    for chunk in np.argsort(-work, kind="stable"):  # largest first, ties in row order
+        rank = min((r for r in range(world_size) if held[r] < count), key=lambda r: (load[r], r))
+        owner[chunk] = rank
+        load[rank] += work[chunk]
+        held[rank] += 1
+    return np.stack([np.flatnonzero(owner == rank) for rank in range(world_size)])
 
 
 def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -66,7 +119,8 @@ def _row_checksum(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
     """The tokens of a packed batch that context-parallel rank ``rank`` of ``world_size`` holds.
 
-    Chunks of ``C = T / (2 * world_size)`` tokens (collate with ``PackedCollator(pad_to_multiple_of=2 * world_size)``).
+    ``L = T / world_size`` tokens in ``m`` chunks, balanced (module docstring; collate with
+    ``PackedCollator(pad_to_multiple_of=2 * world_size)``).
     With ``shift=False``, ``cu_seqlens`` and ``seq_targets``, the ``"sum"`` losses of the ranks add up to the whole
     batch's; divide by its weight mass for the mean. Attention needs the whole row, from the global
     ``position_ids`` returned here.
@@ -81,15 +135,15 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     Returns:
         ``dict`` on the batch's device:
 
-        - ``input_ids`` ``(1, 2C)``, ``position_ids`` ``(1, 2C)`` int64: the local tokens and their global positions.
-        - ``labels`` ``(1, 2C)``: the local labels (a model computes a loss only with them, from ``shift_labels``).
-        - ``shift_labels`` ``(1, 2C)`` int64: each local token's target.
+        - ``input_ids`` ``(1, L)``, ``position_ids`` ``(1, L)`` int64: the local tokens and their global positions.
+        - ``labels`` ``(1, L)``: the local labels (a model computes a loss only with them, from ``shift_labels``).
+        - ``shift_labels`` ``(1, L)`` int64: each local token's target.
         - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
         - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
         - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.
-        - ``context_parallel_shard`` (``ShardRecord``): the rank, world size and row it was cut for, which the
-          model's forward checks (``enable_context_parallel``).
+        - ``context_parallel_shard`` (``ShardRecord``): the rank, world size, row and chunks it was cut for, which
+          the model's forward checks and lays out (``enable_context_parallel``).
 
     Example:
 
@@ -171,16 +225,14 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     shift_labels[:-1] = labels[0, 1:]
     shift_labels[cu_seqlens[1:][lengths > 0] - 1] = ignore_index
 
-    size = num_tokens // num_chunks
-    chunk_starts = torch.tensor([rank * size, (num_chunks - 1 - rank) * size], device=input_ids.device)
-    local = (chunk_starts[:, None] + torch.arange(size, device=input_ids.device)).reshape(-1)
-    # Local segments: each chunk's first token, plus every sequence start strictly inside a chunk.
-    segment_starts = []
-    for index, start in enumerate(chunk_starts.tolist()):
-        inside = cu_seqlens[(cu_seqlens > start) & (cu_seqlens < start + size)].unique_consecutive()
-        starts = torch.cat((torch.tensor([start], device=input_ids.device), inside))
-        segment_starts.append(starts - start + index * size)  # global token -> local index
-    local_starts = torch.cat(segment_starts)
+    device = input_ids.device
+    chunks = balanced_chunks(lengths.cpu().numpy(), num_tokens, world_size)
+    size = num_tokens // chunks.size
+    local = (torch.from_numpy(chunks[rank] * size).to(device)[:, None] + torch.arange(size, device=device)).reshape(-1)
+    # Local segments: each chunk's first token, plus every sequence start inside a chunk.
+    row_starts = torch.zeros(num_tokens + 1, dtype=torch.bool, device=device)
+    row_starts[cu_seqlens] = True
+    local_starts = (row_starts[local] | (torch.arange(local.numel(), device=device) % size == 0)).nonzero().flatten()
     # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
     sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
     shard = {
@@ -188,9 +240,11 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         LABELS: labels[:, local],
         POSITION_IDS: position_ids[:, local],
         SHIFT_LABELS: shift_labels[local][None],
-        CU_SEQLENS: torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
-        SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(input_ids.device)[sequence_of].to(torch.int32),
-        SHARD: ShardRecord(rank, world_size, num_tokens, _row_checksum(input_ids, cu_seqlens)),
+        CU_SEQLENS: F.pad(local_starts, (0, 1), value=local.numel()).to(torch.int32),
+        SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(device)[sequence_of].to(torch.int32),
+        SHARD: ShardRecord(
+            rank, world_size, num_tokens, _row_checksum(input_ids, cu_seqlens), tuple(map(tuple, chunks.tolist()))
+        ),
     }
     if SEQ_WEIGHTS in per_sequence:
         shard[SEQ_WEIGHTS] = per_sequence[SEQ_WEIGHTS].to(input_ids.device)[sequence_of].to(torch.float64)

@@ -134,9 +134,16 @@ def save_share(model, loss, path: str) -> None:
     torch.save({"loss": loss.detach().float().cpu(), "grads": grads}, path)
 
 
-def worker(rank: int, port: int, backend: str, out_dir: str, setups: list, dtype_name: str, scale: int = 1) -> None:
+def worker(
+    rank: int, port: int, backend: str, out_dir: str, setups: list, dtype_name: str, scale: int = 1,
+    chunk_tokens: int | None = None,
+) -> None:
     device = init_group(rank, port, backend)
     dtype = getattr(torch, dtype_name)
+    if chunk_tokens is not None:  # rows cut as finely as long ones are (m > 2 chunks per rank)
+        import collators.sharding
+
+        collators.sharding.CHUNK_TOKENS = chunk_tokens
     try:
         batch = to_device(packed_batch(scale), device)
         local = count_num_items(batch, all_reduce=False)
@@ -157,9 +164,12 @@ def worker(rank: int, port: int, backend: str, out_dir: str, setups: list, dtype
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, backend: str, setups: list, dtype_name: str = "float32", scale: int = 1) -> dict:
+def run_ranks(
+    tmp_path, backend: str, setups: list, dtype_name: str = "float32", scale: int = 1, chunk_tokens=None
+) -> dict:
     mp.spawn(
-        worker, args=(free_port(), backend, str(tmp_path), setups, dtype_name, scale), nprocs=WORLD, join=True
+        worker, args=(free_port(), backend, str(tmp_path), setups, dtype_name, scale, chunk_tokens),
+        nprocs=WORLD, join=True,
     )
     results = {}
     for setup in setups:
@@ -231,6 +241,17 @@ def test_windows_softcaps_and_sinks_are_exact(family, gloo_results):
     assert_loss_close(gloo_results[family]["loss"], expected_loss)
     worst = assert_gradients_close(gloo_results[family]["grads"], expected_grads, rtol=1e-5)
     print(f"{family}: worst relative gradient error {worst:.1e}")
+
+
+def test_shares_add_up_with_many_chunks_per_rank(tmp_path):
+    """Rows cut into 6 chunks per rank (as long rows are: chunks dealt out to balance the ranks'
+    attention work, not the zig-zag): the shares still add up to one process, with and without a
+    sliding window (1e-5)."""
+    results = run_ranks(tmp_path, "gloo", ["llama-logits", "mistral"], chunk_tokens=8)
+    for setup in results:
+        expected_loss, expected_grads = one_process(setup)
+        assert_loss_close(results[setup]["loss"], expected_loss)
+        assert_gradients_close(results[setup]["grads"], expected_grads, rtol=1e-5)
 
 
 def test_batch_crosses_chunks_and_ranks():

@@ -184,7 +184,7 @@ def prepare_call(model: nn.Module, kwargs: dict) -> dict:
     options = dataclasses.replace(installation_of(model).loss.options, shift=False)
     _check_facts(_gather_facts(state, record, kwargs, options), world)
     position_ids = kwargs[POSITION_IDS]
-    kwargs[ROW_LAYOUT] = RowLayout.gather(state.group, state.rank, world, position_ids)
+    kwargs[ROW_LAYOUT] = RowLayout.gather(state.group, state.rank, world, position_ids, record.chunks)
     if kwargs.get(LABELS) is not None:
         count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
         kwargs["num_items_in_batch"] = count.to(torch.float64) / world
@@ -202,7 +202,7 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     problem = _OK
     if record is None:
         problem = _NOT_A_SHARD
-    elif position_ids is None or tuple(position_ids.shape) != (1, length) or length % 2:
+    elif position_ids is None or position_ids.dim() != 2 or length * record.world_size != record.row_length:
         problem = _BAD_POSITIONS
     elif labels is not None and kwargs.get(SHIFT_LABELS) is None:
         problem = _NO_SHIFT_LABELS
@@ -241,7 +241,7 @@ def _check_facts(table: list, world: int) -> None:
         if problem == _BAD_POSITIONS:
             raise ValueError(
                 f"rank {rank}: a context-parallel call needs the position_ids of "
-                "collators.shard_batch, of shape (1, 2C): they find the conversations of the row"
+                "collators.shard_batch, of shape (1, T / W): they find the conversations of the row"
             )
         if problem == _NO_SHIFT_LABELS:
             raise ValueError(

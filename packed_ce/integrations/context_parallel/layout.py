@@ -1,7 +1,7 @@
 """Who holds which tokens of a context-parallel row, and which keys each query may see.
 
-Rank ``r`` of ``W`` holds the zig-zag chunks ``r`` and ``2W - 1 - r`` of the row's ``2W`` chunks of
-``C`` tokens (:func:`collators.shard_batch`). Query ``q`` sees key ``k`` iff both are in the same
+Rank ``r`` of ``W`` holds ``m`` chunks of ``C`` tokens of the row, chosen by
+:func:`collators.shard_batch` to balance the ranks' attention work (the shard records them). Query ``q`` sees key ``k`` iff both are in the same
 conversation (transformers' ``position_ids`` restart rule, on the gathered row), ``k <= q``, and,
 on a sliding-window layer of window ``w``, ``q - k < w`` (transformers' ``sliding_window_overlay``).
 """
@@ -44,19 +44,20 @@ class RowLayout:
     masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def gather(cls, group, rank: int, world_size: int, position_ids: torch.Tensor) -> RowLayout:
-        """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = 2C``) and derives
-        conversations, query rows and the order. Every rank's ``L`` is known to agree."""
+    def gather(
+        cls, group, rank: int, world_size: int, position_ids: torch.Tensor, chunks: tuple
+    ) -> RowLayout:
+        """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = mC``) and derives
+        conversations, query rows and the order. Every rank's ``L`` and ``chunks`` (``W`` tuples of
+        ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree."""
         local = position_ids.shape[1]
-        chunk = local // 2
         device = position_ids.device
+        chunk_of = torch.tensor(chunks, device=device)  # (W, m)
+        size = local // chunk_of.shape[1]
         gathered = position_ids.new_empty(world_size * local)  # rank-major
         dist.all_gather_into_tensor(gathered, position_ids[0].contiguous(), group=group)
-        # entry (r, half, i) of the gather is row token chunk(r, half) * C + i
-        chunk_of = torch.tensor(
-            [[r, 2 * world_size - 1 - r] for r in range(world_size)], device=device
-        )  # (W, 2)
-        row_index = (chunk_of[:, :, None] * chunk + torch.arange(chunk, device=device)).reshape(-1)
+        # entry (r, j, i) of the gather is row token chunks[r][j] * C + i
+        row_index = (chunk_of[:, :, None] * size + torch.arange(size, device=device)).reshape(-1)
         order = torch.empty_like(row_index)
         order[row_index] = torch.arange(row_index.numel(), device=device)
         positions = gathered[order]  # (T,) in row order
