@@ -13,6 +13,12 @@ gradients are all-reduced by hand (no DDP buckets, the same optimiser on every r
   out writes it down; the others end on the NCCL timeout).
 - ``--mode throughput``: ``--warmup`` then ``--steps`` timed steps at ``--lengths[0]``; reports
   the median step and tokens/s per GPU.
+- ``--mode profile``: ``--warmup`` steps, then ``--steps`` steps under the torch profiler; the
+  GPU time per step of each kind of kernel (attention forward and backward, matrix products,
+  collectives, the loss, the optimiser, ...) on every rank, and the step's wall time.
+
+``--sharding zigzag`` gives each rank chunks ``r`` and ``2W - 1 - r`` (the earlier layout) instead
+of :func:`collators.shard_batch`'s chunks balanced by attention work, for comparison.
 
 Every result is a JSON line appended to ``--out`` by rank 0 (or by the rank that ran out).
 """
@@ -78,14 +84,12 @@ def build(model_name: str, world: int, device: torch.device):
 
 
 def step(model, optimizer, batch: dict, rank: int, world: int) -> float:
-    num_items = count_num_items(batch)  # summed over the ranks, each row counted once
+    """One optimiser step; under DDP (``world > 1``) the shares' gradients are summed as DDP
+    averages them, overlapped with the backward: each share times ``world``."""
+    num_items = count_num_items(batch)  # every rank counts the row it shards; the model divides
     inputs = shard_batch(batch, rank, world) if world > 1 else batch
     loss = model(**inputs, num_items_in_batch=num_items).loss
-    loss.backward()
-    if world > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad)  # the shares' gradients add up to the row's
+    (loss * world).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     total = loss.detach().clone()
@@ -94,9 +98,58 @@ def step(model, optimizer, batch: dict, rank: int, world: int) -> float:
     return float(total)
 
 
+def zigzag_chunks(lengths, num_tokens: int, world_size: int):
+    """Chunks ``r`` and ``2W - 1 - r`` for rank ``r``: balanced for one causal conversation only."""
+    import numpy as np
+
+    return np.array([[r, 2 * world_size - 1 - r] for r in range(world_size)])
+
+
+# Kernel names (lower case) -> the part of the step they belong to; the first match wins.
+KERNEL_KINDS = (
+    ("collectives", ("nccl",)),
+    ("attention backward", ("flex_attention_backward", "tem_fused_flex_attention_backward", "attention_backward")),
+    ("attention forward", ("flex_attention", "tem_fused", "attention")),
+    ("matrix products", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "sm90_")),
+    ("loss", ("cross_entropy", "_ce_", "fused_linear")),
+    ("optimiser", ("multi_tensor", "adam")),
+    ("copies and gathers", ("copy", "index", "gather", "scatter", "cat")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, patterns in KERNEL_KINDS:
+        if any(pattern in lowered for pattern in patterns):
+            return kind
+    return "other kernels"
+
+
+def profile(model, optimizer, batch: dict, rank: int, world: int, steps: int) -> dict:
+    """GPU milliseconds per step of each kind of kernel on this rank, and the wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(model, optimizer, batch, rank, world)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        micros = getattr(event, "self_device_time_total", 0) or 0
+        if micros > 0:
+            kind = kernel_kind(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + micros / 1000 / steps
+    return {"wall_ms": round(wall * 1000, 1), **{k: round(v, 1) for k, v in sorted(kinds.items())}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("longest", "throughput"), required=True)
+    parser.add_argument("--mode", choices=("longest", "throughput", "profile"), required=True)
+    parser.add_argument("--sharding", choices=("balanced", "zigzag"), default="balanced")
     parser.add_argument("--model", default="1b", choices=sorted(MODELS))
     parser.add_argument("--lengths", type=int, nargs="+", required=True)
     parser.add_argument("--warmup", type=int, default=2)
@@ -109,13 +162,22 @@ def main() -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=90))
+    if args.sharding == "zigzag":
+        import collators.sharding
+
+        collators.sharding.balanced_chunks = zigzag_chunks
     model = build(args.model, world, device)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index], gradient_as_bucket_view=True
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    vocab = model.config.vocab_size
+    vocab = getattr(model, "module", model).config.vocab_size
     props = torch.cuda.get_device_properties(device)
     base = dict(
         mode=args.mode, model=args.model, gpus=world, device=props.name,
         torch=torch.__version__, gradient_checkpointing=True, attention="flex_attention",
+        sharding=args.sharding if world > 1 else None,
     )
 
     def record(**fields) -> None:
@@ -123,10 +185,21 @@ def main() -> int:
             out.write(json.dumps({**base, **fields}) + "\n")
         print(json.dumps({**base, **fields}), flush=True)
 
-    if args.mode == "throughput":
+    if args.mode in ("throughput", "profile"):
         length = args.lengths[0]
         batch = {k: v.to(device) if torch.is_tensor(v) else v
                  for k, v in PackedCollator(pad_to_multiple_of=2 * world)(conversations_row(length, vocab, 0)).items()}
+    if args.mode == "profile":
+        for _ in range(args.warmup):
+            step(model, optimizer, batch, rank, world)
+        mine = profile(model, optimizer, batch, rank, world, args.steps)
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            record(length=length, steps=args.steps, ranks=every)
+        dist.destroy_process_group()
+        return 0
+    if args.mode == "throughput":
         seconds = []
         for index in range(args.warmup + args.steps):
             torch.cuda.synchronize()

@@ -254,6 +254,49 @@ def test_shares_add_up_with_many_chunks_per_rank(tmp_path):
         assert_gradients_close(results[setup]["grads"], expected_grads, rtol=1e-5)
 
 
+def _groups_worker(rank: int, port: int, out_dir: str, world: int, cp_sizes: list, setups: list) -> None:
+    """``world`` ranks, for each of ``cp_sizes`` in groups of that many consecutive ranks; group
+    ``g`` shares row ``g`` (data parallelism across the groups)."""
+    init_group(rank, port, world=world)
+    try:
+        for cp_size in cp_sizes:
+            groups = [dist.new_group(list(range(g, g + cp_size))) for g in range(0, world, cp_size)]
+            row = packed_batch(seed=7 + rank // cp_size)
+            shard = shard_batch(row, rank % cp_size, cp_size)
+            num_items = count_num_items(row)  # every rank counts the row it shards, over the world
+            for setup in setups:
+                model = (build_family if setup in FAMILIES else build_model)(setup)
+                enable_context_parallel(model, group=groups[rank // cp_size])
+                loss = model(**shard, num_items_in_batch=num_items).loss
+                loss.backward()
+                save_share(model, loss, os.path.join(out_dir, f"{setup}-{cp_size}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world, cp_sizes", [(4, [4, 2]), pytest.param(8, [8], marks=pytest.mark.slow)], ids=["4-ranks", "8-ranks"]
+)
+def test_groups_of_four_and_eight_and_data_parallel_groups(tmp_path, world, cp_sizes):
+    """Context parallelism over 4 and 8 gloo processes, and on 4 two groups of 2 each sharing its
+    own row (context x data parallelism): every rank's share summed over the world equals one
+    process on every group's row with the step's normaliser, loss and gradients (1e-5), with and
+    without a sliding window."""
+    setups = ["llama-logits", "mistral"]
+    mp.spawn(_groups_worker, args=(free_port(), str(tmp_path), world, cp_sizes, setups), nprocs=world, join=True)
+    for cp_size in cp_sizes:
+        rows = [packed_batch(seed=7 + g) for g in range(world // cp_size)]
+        count = count_num_items(rows)
+        for setup in setups:
+            ranks = [torch.load(tmp_path / f"{setup}-{cp_size}-rank{rank}.pt") for rank in range(world)]
+            model = (build_family if setup in FAMILIES else build_model)(setup)
+            expected = sum(model(**row, num_items_in_batch=count).loss for row in rows)
+            expected.backward()
+            assert_loss_close(sum(r["loss"] for r in ranks), expected.detach())
+            summed = {k: sum(r["grads"][k] for r in ranks) for k in ranks[0]["grads"]}
+            assert_gradients_close(summed, gradients(model), rtol=1e-5)
+
+
 def test_batch_crosses_chunks_and_ranks():
     """The batch exercises what the docstring says: conversations across chunk and rank borders,
     one inside a chunk, the padding segment."""
