@@ -138,12 +138,15 @@ def profile(model, optimizer, batch: dict, rank: int, world: int, steps: int) ->
         torch.cuda.synchronize()
     wall = (time.perf_counter() - start) / steps
     kinds: dict[str, float] = {}
+    kernels = []
     for event in prof.key_averages():
         micros = getattr(event, "self_device_time_total", 0) or 0
         if micros > 0:
             kind = kernel_kind(event.key)
             kinds[kind] = kinds.get(kind, 0.0) + micros / 1000 / steps
-    return {"wall_ms": round(wall * 1000, 1), **{k: round(v, 1) for k, v in sorted(kinds.items())}}
+            kernels.append((micros / 1000 / steps, event.count // steps, kind, event.key[:90]))
+    top = [dict(ms=round(ms, 1), calls=calls, kind=kind, name=name) for ms, calls, kind, name in sorted(kernels)[::-1][:12]]
+    return {"wall_ms": round(wall * 1000, 1), **{k: round(v, 1) for k, v in sorted(kinds.items())}, "top": top}
 
 
 def main() -> int:

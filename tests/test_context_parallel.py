@@ -471,16 +471,16 @@ def test_checkpointing_with_two_forwards_before_the_backward(tmp_path):
 
 
 def test_gradient_reaches_the_collective_contiguous(one_rank_group):
-    """The keys' gradient comes back to the gather as a permuted view of ``(1, H, T, D)``; the
-    buffer handed to the collective is contiguous (NCCL's reduce-scatter splits raw memory: a
+    """The keys' and values' gradients come back to the gather as permuted views of
+    ``(1, H, T, D)``; the one buffer handed to the collective is contiguous (NCCL's reduce-scatter splits raw memory: a
     buffer keeping the view's strides mixed the ranks' gradients), and equals the gradient."""
     from packed_ce.integrations.context_parallel.attention import gather_row
     from packed_ce.integrations.context_parallel.layout import RowLayout
 
     order = torch.tensor([3, 4, 5, 0, 1, 2])  # row token t is entry order[t] of the gather
     layout = RowLayout(None, 0, 1, order, torch.zeros(6, dtype=torch.int64), torch.arange(6))
-    leaf = torch.randn(1, 6, 2, 4, requires_grad=True)  # (1, L, H, D), as projected
-    upstream = torch.randn(1, 2, 6, 4)
+    leaves = [torch.randn(1, 6, 2, 4, requires_grad=True) for _ in range(2)]  # (1, L, H, D), as projected
+    upstream = [torch.randn(1, 2, 6, 4) for _ in range(2)]
     contiguous = []
     all_reduce = dist.all_reduce
 
@@ -489,12 +489,13 @@ def test_gradient_reaches_the_collective_contiguous(one_rank_group):
         return all_reduce(tensor, *args, **kwargs)
 
     with mock.patch.object(dist, "all_reduce", spy):
-        rows = gather_row(leaf.transpose(1, 2), layout)  # (1, H, T, D)
-        (rows * upstream).sum().backward()
-    assert contiguous == [True]
-    expected = torch.empty_like(upstream).index_copy_(2, order, upstream)  # back to rank order
-    torch.testing.assert_close(leaf.grad, expected.transpose(1, 2), rtol=0, atol=0)
-    torch.testing.assert_close(rows, leaf.transpose(1, 2)[:, :, order], rtol=0, atol=0)
+        rows = gather_row(*(leaf.transpose(1, 2) for leaf in leaves), layout)  # (1, H, T, D) each
+        sum((row * up).sum() for row, up in zip(rows, upstream)).backward()
+    assert contiguous == [True]  # one collective for keys and values
+    for leaf, row, up in zip(leaves, rows, upstream):
+        expected = torch.empty_like(up).index_copy_(2, order, up)  # back to rank order
+        torch.testing.assert_close(leaf.grad, expected.transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(row, leaf.transpose(1, 2)[:, :, order], rtol=0, atol=0)
 
 
 def test_flex_route_computes_what_the_dense_route_does():

@@ -2,8 +2,8 @@
 
 Registered once with transformers' attention interface under :data:`ATTENTION_NAME`; it holds no
 state: the row's :class:`~.layout.RowLayout` comes with each call (:data:`ROW_LAYOUT`). The keys and
-values are all-gathered per layer and copied once into row order; the gather's backward is a
-reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
+values are all-gathered together per layer and copied once into row order; the gather's backward
+is one reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
 asks of its attention is done exactly or refused: sliding windows (the mask), an attention logit
 softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score), attention sinks (gpt-oss: a
 per-head logit in the softmax's denominator only), dropout (refused).
@@ -26,45 +26,46 @@ DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_pr
 
 
 class _GatherRow(torch.autograd.Function):
-    """The tokens of every rank in row order: ``x`` ``(L, H, D)`` of each rank -> ``(T, H, D)``.
+    """The keys and values of every rank in row order: ``(L, Hkv, D)`` each -> ``(T, Hkv, D)`` each.
 
-    Forward: all-gather (rank-major), then one copy into row order. Backward: back to rank-major,
-    reduce-scatter (every rank's queries read each rank's keys and values).
+    Forward: one all-gather of both (rank-major), then one copy into row order. Backward: back to
+    rank-major, one reduce-scatter (every rank's queries read each rank's keys and values).
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+    def forward(ctx, key: torch.Tensor, value: torch.Tensor, layout: RowLayout):
         ctx.layout = layout
-        x = x.contiguous()
-        gathered = x.new_empty((layout.world_size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(gathered, x, group=layout.group)
-        return gathered.index_select(0, layout.order)
+        local = torch.stack((key, value), dim=1)  # (L, 2, Hkv, D), contiguous
+        gathered = local.new_empty((layout.world_size * local.shape[0], *local.shape[1:]))
+        dist.all_gather_into_tensor(gathered, local, group=layout.group)
+        rows = gathered.index_select(0, layout.order)  # (T, 2, Hkv, D)
+        return rows[:, 0], rows[:, 1]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
         layout = ctx.layout
-        # row order -> rank-major, in a new contiguous buffer: the gradient arrives as a permuted
-        # view of (1, H, T, D), a *_like buffer would keep its strides, and NCCL's reduce-scatter
-        # splits the raw memory, not the first dimension (the keys' gradients came back mixed).
+        # row order -> rank-major, in a new contiguous buffer: the gradients arrive as permuted
+        # views of (1, H, T, D), and NCCL's reduce-scatter splits the raw memory, not the first
+        # dimension (a buffer keeping a view's strides came back mixed between the ranks).
         # order is a permutation of the T entries: every one is written, none needs zeroing.
-        ranked = grad.new_empty(grad.shape).index_copy_(0, layout.order, grad)
-        local = grad.shape[0] // layout.world_size
+        ranked = grad_key.new_empty((grad_key.shape[0], 2, *grad_key.shape[1:]))
+        for half, grad in enumerate((grad_key, grad_value)):
+            ranked[:, half].index_copy_(0, layout.order, grad)
+        local = ranked.shape[0] // layout.world_size
         if dist.get_backend(layout.group) == "nccl":
-            own = grad.new_empty((local, *grad.shape[1:]))
+            own = ranked.new_empty((local, *ranked.shape[1:]))
             dist.reduce_scatter_tensor(own, ranked, group=layout.group)
         else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
             dist.all_reduce(ranked, group=layout.group)
             own = ranked[layout.rank * local : (layout.rank + 1) * local]
-        return own, None  # no gradient for the layout
+        return own[:, 0], own[:, 1], None  # no gradient for the layout
 
 
-def gather_row(x: torch.Tensor, layout: RowLayout) -> torch.Tensor:
-    """``x`` ``(1, H, L, D)`` of every rank as the whole row ``(1, H, T, D)``, in row order.
-
-    Keys are ``(1, L, H, D)`` transposed, so the token-major view needs no copy.
-    """
-    rows = _GatherRow.apply(x[0].transpose(0, 1), layout)  # (T, H, D)
-    return rows.transpose(0, 1)[None]
+def gather_row(key: torch.Tensor, value: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as the whole row ``(1, Hkv, T, D)``,
+    in row order. They are ``(1, L, H, D)`` transposed, so the token-major views need no copy."""
+    keys, values = _GatherRow.apply(key[0].transpose(0, 1), value[0].transpose(0, 1), layout)
+    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -167,8 +168,7 @@ def attention(
             f"{type(module).__name__} asks for non-causal attention, which context parallelism "
             "does not provide"
         )
-    keys = gather_row(key, layout)  # (1, Hkv, T, D)
-    values = gather_row(value, layout)
+    keys, values = gather_row(key, value, layout)  # (1, Hkv, T, D) each
     mask = layout.mask(kwargs.get("sliding_window"), query.device)
     compute = _dense if isinstance(mask, torch.Tensor) else _flex
     out = compute(query, keys, values, mask, scaling, kwargs.get("softcap"), kwargs.get("s_aux"))

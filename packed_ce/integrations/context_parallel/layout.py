@@ -69,10 +69,11 @@ class RowLayout:
         """The rule ``(b, h, q, k) -> bool`` on local query and row key indices, elementwise on
         broadcast indices: flex attention's ``mask_mod`` and the dense mask alike."""
         documents, queries = self.documents, self.queries
+        query_documents = documents[queries]  # (L,): no load of a load in the kernel
 
         def mask_mod(b, h, q_idx, kv_idx):
             row = queries[q_idx]
-            visible = (documents[row] == documents[kv_idx]) & (kv_idx <= row)
+            visible = (query_documents[q_idx] == documents[kv_idx]) & (kv_idx <= row)
             if window is not None:
                 visible = visible & (row - kv_idx < window)
             return visible
