@@ -17,9 +17,13 @@ import inspect
 
 import datasets
 import torch
-from trl import SFTTrainer
+import transformers
+from packaging.version import Version
+from transformers import TrainingArguments
+from trl import SFTConfig, SFTTrainer
 from trl.chat_template_utils import has_generation_markers
 from trl.data_utils import is_conversational
+from trl.trainer.utils import get_config_model_id
 
 from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
@@ -83,16 +87,16 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         warn_if_untested_trl()
         signature = _SIGNATURE.bind(self, *args, **kwargs)
         bound = signature.arguments
-        config = bound.get("args")
-        if config is not None:
-            _refuse_inexact_options(config, bound.get("compute_loss_func"))
-        assistant_only = config is not None and config.assistant_only_loss
-        check_datasets(bound, type(self).__name__, skip_no_assistant, assistant_only=assistant_only)
+        config = bound["args"] = sft_config(bound.get("args"), bound.get("model"))
+        _refuse_inexact_options(config, bound.get("compute_loss_func"))
+        check_datasets(
+            bound, type(self).__name__, skip_no_assistant, assistant_only=config.assistant_only_loss
+        )
         self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
-        if config is not None and config.assistant_only_loss:
+        if config.assistant_only_loss:
             template = getattr(bound.get("processing_class"), "chat_template", None)
             # trl refuses such a template (or swaps in one of its own for a few known ones):
             # the assistant turns are found by collators.tokenize_conversation instead
@@ -191,6 +195,22 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             tokens = int(self.accelerator.gather_for_metrics(local[None]).sum())
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def sft_config(args, model) -> SFTConfig:
+    """``args`` as trl's ``SFTTrainer.__init__`` makes it an ``SFTConfig`` (trl 1.16), so that the
+    options are read before trl reads them: None gives ``SFTConfig("<model name>-SFT")``, a plain
+    ``TrainingArguments`` its own fields (and the hub token, which ``to_dict`` hides)."""
+    if args is None:
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return SFTConfig(f"{name.split('/')[-1]}-SFT")
+    if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+        fields = args.to_dict()
+        fields["hub_token"] = args.hub_token
+        if Version(transformers.__version__) < Version("5.0.0"):
+            fields.pop("push_to_hub_token")
+        return SFTConfig(**fields)
+    return args
 
 
 def _refuse_inexact_options(args, compute_loss_func) -> None:
