@@ -239,7 +239,8 @@ def message(
     if row[Field.WEIGHT_SUM_OVERFLOWS]:
         return (
             "seq_weights add up to more than float64 holds, so their mass (the mean's "
-            "denominator) is inf: scale them down (the weighted mean does not depend on their scale)"
+            "denominator) is inf: scale them down (the weighted mean does not depend on their "
+            "scale)"
         )
     return None
 
