@@ -34,7 +34,7 @@ from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
 from . import data_checks
 from .data_checks import check_datasets, skip_or_refuse_without_targets
-from .trainer import PackedNormaliserMixin, refuse_token_mean_options
+from .trainer import PackedNormaliserMixin, refuse_prediction_metrics, refuse_token_mean_options
 from .seams import warn_if_untested_trl
 from .transformers import apply_packed_loss
 
@@ -55,7 +55,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     - ``packing_strategy="bfd_split"``: over-long conversations split across rows, every target
       trained once, a split conversation weighing as one.
     - A numeric ``weight`` column (0 removes a conversation); a string ``source`` column:
-      ``loss/<source>`` logged beside ``loss`` (training only).
+      ``loss/<source>`` logged beside ``loss``.
+    - ``evaluate()``: ``eval_loss`` the per-conversation mean over the whole eval set, at any batch
+      size or process count, and ``eval_loss/<source>`` (:mod:`.evaluation`).
     - Context parallelism (``ParallelismConfig(cp_size=K)`` with ``padding_free=True``,
       :func:`enable_context_parallel`).
     - ``assistant_only_loss=True`` under a template without ``{% generation %}`` markers
@@ -69,7 +71,8 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     Raises:
         ValueError / TypeError naming the option or row, before tokenising, for what cannot give
             the per-conversation mean: ``loss_type`` other than ``"nll"``,
-            ``label_smoothing_factor > 0``, ``compute_loss_func``, ``packing_strategy="wrapped"``,
+            ``label_smoothing_factor > 0``, ``compute_loss_func``, ``compute_metrics`` or
+            ``preprocess_logits_for_metrics``, ``packing_strategy="wrapped"``,
             sequence parallelism, context parallelism without ``padding_free=True,
             packing=False``, bad ``weight`` / ``source`` values or all weights 0, an empty data
             set, a conversation without a target; and those of :class:`PackedTrainer`.
@@ -89,6 +92,11 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         bound = signature.arguments
         config = bound["args"] = sft_config(bound.get("args"), bound.get("model"))
         _refuse_inexact_options(config, bound.get("compute_loss_func"))
+        refuse_prediction_metrics(
+            type(self).__name__,
+            bound.get("compute_metrics"),
+            bound.get("preprocess_logits_for_metrics"),
+        )
         check_datasets(
             bound, type(self).__name__, skip_no_assistant, assistant_only=config.assistant_only_loss
         )
