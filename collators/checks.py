@@ -59,30 +59,57 @@ def check_tokens(input_ids: np.ndarray, labels: np.ndarray, ignore_index: int, n
         )
 
 
+def _shown(value) -> str:
+    """``value`` for a message, at most 20 characters (``10**400`` has 401 digits)."""
+    text = str(value)
+    return text if len(text) <= 20 else f"{text[:17]}..."
+
+
+def _beyond_float64(value, name: str) -> ValueError:
+    """The error of a weight too large for float64 (``10**400``, a long double ``1e400``)."""
+    return ValueError(
+        f"`{name}` is {_shown(value)}, beyond float64's range: scale every weight down (the weighted mean does not "
+        "depend on their scale)."
+    )
+
+
 def conversation_weight(value, name: str) -> float:
-    """A per-conversation weight: a finite real number >= 0 (not a bool)."""
+    """A per-conversation weight: a finite real number >= 0 (not a bool) within float64's range."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}.")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"`{name}` must be finite and >= 0, got {value}.")
-    return float(value)
+    try:
+        weight = float(value)
+    except OverflowError:  # a Python int (or Fraction) beyond float64
+        weight = math.inf if value > 0 else -math.inf
+        if weight > 0:
+            raise _beyond_float64(value, name) from None
+    if weight == math.inf and np.isfinite(value):  # a long double beyond float64
+        raise _beyond_float64(value, name)
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"`{name}` must be finite and >= 0, got {_shown(value)}.")
+    return weight
 
 
 def weight_array(values, name: str) -> np.ndarray:
-    """Per-conversation weights as a 1-D float64 array: real, finite, >= 0."""
+    """Per-conversation weights as a 1-D float64 array: real, finite, >= 0, within float64's range."""
     if torch.is_tensor(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
     if array.ndim != 1:
         raise ValueError(f"`{name}` must be 1-D, got shape {tuple(array.shape)}.")
+    if array.size and array.dtype == object:  # Python ints beyond int64 (10**400), or not numbers
+        return np.array([conversation_weight(value, f"{name}[{i}]") for i, value in enumerate(array)])
     if array.size and array.dtype.kind not in "iuf":
         raise TypeError(f"`{name}` must hold real numbers, got dtype {array.dtype}.")
-    array = array.astype(np.float64)
-    bad = ~np.isfinite(array) | (array < 0)
+    with np.errstate(over="ignore"):  # a long double beyond float64 becomes inf: named below
+        converted = array.astype(np.float64)
+    bad = ~np.isfinite(converted) | (converted < 0)
     if bad.any():
         index = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"`{name}` must be finite and >= 0, got {array[index]} at index {index}.")
-    return array
+        if converted[index] == np.inf and np.isfinite(array[index]):
+            raise _beyond_float64(array[index], f"{name}[{index}]")
+        raise ValueError(f"`{name}` must be finite and >= 0, got {converted[index]} at index {index}.")
+    return converted
 
 
 # The widest ratio of two positive conversation weights a trainer takes. A step divides each

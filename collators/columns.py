@@ -37,6 +37,10 @@ MAX_LENGTH_K = "max_length_k"
 # What a context-parallel shard is (collators.shard_batch): a ShardRecord the model's forward checks.
 SHARD = "context_parallel_shard"
 
+# The trainers' evaluation batches: each example's token count, (B,) int64, to find the copies
+# accelerate adds to the last batch (packed_ce.integrations.evaluation).
+EXAMPLE_TOKENS = "example_tokens"
+
 # The columns packing writes (a carried data set column may take none of these names).
 PACKED_ROW_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES)
 # The data set columns the trainers keep for the collator: a packed row's boundaries, and each

@@ -39,12 +39,15 @@ class Field(enum.IntEnum):
     BAD_WEIGHTS = 16  # entries of seq_weights negative or not finite
     BAD_WEIGHT_AT = 17
     BAD_WEIGHT_BITS = 18  # the first one, float64 bits
+    WEIGHT_SUM_OVERFLOWS = 19  # 1 if the valid entries of seq_weights add up to inf in float64
 
 
 WIDTH = len(Field)
 PER_SEQUENCE = Field.TARGETS_BELOW_ONE  # the first per-sequence field
 # the per-sequence fields that count failures: nonzero means the call is bad
-PER_SEQUENCE_COUNTS = (Field.TARGETS_BELOW_ONE, Field.TARGETS_BELOW_OWN, Field.BAD_WEIGHTS)
+PER_SEQUENCE_COUNTS = (
+    Field.TARGETS_BELOW_ONE, Field.TARGETS_BELOW_OWN, Field.BAD_WEIGHTS, Field.WEIGHT_SUM_OVERFLOWS,
+)
 
 
 def bad_label_mask(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
@@ -116,11 +119,13 @@ def encode_per_sequence(
         fields += _first(seq_targets < own, seq_targets)
         fields.append(_read(own, fields[-2]))
     if seq_weights is None:
-        fields += none_found
+        fields += none_found + [zero]
     else:
         weights = seq_weights.detach().to(torch.float64)
         bad_weight = ~(weights.isfinite() & (weights >= 0))
         fields += _first(bad_weight, weights.view(torch.int64))
+        # the mass of finite weights can still overflow: 1e308 + 1e308 is inf, the mean NaN
+        fields.append(torch.where(bad_weight, 0.0, weights).sum().isinf())
     return torch.stack(fields).to(device=device, dtype=torch.int64)
 
 
@@ -230,6 +235,12 @@ def message(
         return (
             f"seq_weights must be finite and >= 0: got [{weight}] at sequences "
             f"[{row[Field.BAD_WEIGHT_AT]}]{_more(row[Field.BAD_WEIGHTS])}"
+        )
+    if row[Field.WEIGHT_SUM_OVERFLOWS]:
+        return (
+            "seq_weights add up to more than float64 holds, so their mass (the mean's "
+            "denominator) is inf: scale them down (the weighted mean does not depend on their "
+            "scale)"
         )
     return None
 

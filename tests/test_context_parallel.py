@@ -647,6 +647,9 @@ def trainer_worker(
             )
         trainer.train()
         evaluation = trainer.evaluate()
+        # 3 per data-parallel rank: on four processes the second group's last batch is a copy
+        trainer.args.per_device_eval_batch_size = 3
+        evaluation_by_3 = trainer.evaluate()
         from packed_ce.integrations.context_parallel import context_parallel_of
 
         assert context_parallel_of(trainer.model).world_size == WORLD
@@ -656,7 +659,7 @@ def trainer_worker(
             for name, p in trainer.model.named_parameters()
         }
         torch.save(
-            {"params": params, "logs": logs, "eval_loss": evaluation["eval_loss"]},
+            {"params": params, "logs": logs, "evaluations": [evaluation, evaluation_by_3]},
             os.path.join(out_dir, f"{trainer_name}-rank{rank}.pt"),
         )
     finally:
@@ -665,7 +668,7 @@ def trainer_worker(
 
 def reference_step() -> tuple[dict, dict]:
     """One SGD step of every conversation alone, weighted; the per-source means before it and
-    the weighted per-conversation mean after it (``"eval_loss"``)."""
+    the weighted per-conversation means after it (``"eval_loss"``, ``"eval_loss/<source>"``)."""
     from integration_utils import one_at_a_time, per_conversation_sgd_step
 
     model = tiny_model("llama", VOCAB)
@@ -677,6 +680,9 @@ def reference_step() -> tuple[dict, dict]:
     per_conversation_sgd_step(model, conversations, lr=LR, weights=TRAIN_WEIGHTS)
     with torch.no_grad():
         by_source["eval_loss"] = float(one_at_a_time(model, conversations, TRAIN_WEIGHTS))
+        for source in sorted(set(TRAIN_SOURCES)):
+            mine = [c for c in conversations if c["source"] == source]
+            by_source[f"eval_loss/{source}"] = float(one_at_a_time(model, mine, [c["weight"] for c in mine]))
     return {name: p.detach() for name, p in model.named_parameters()}, by_source
 
 
@@ -692,9 +698,11 @@ def reference_step() -> tuple[dict, dict]:
 def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, world):
     """One SGD step of either trainer with ``ParallelismConfig(cp_size=2)`` equals one process
     stepping on every conversation alone (float32: the parameters move by at most 1e-4 norm-wise
-    apart), and the logged ``loss/<source>`` are the per-source means (1e-5 relative). On four
-    processes the other dimension is data parallel (``dp_shard_size=2``): two groups of two
-    ranks, each group sharing a row of half the conversations."""
+    apart), and the logged ``loss/<source>`` are the per-source means (1e-5 relative); after it,
+    ``eval_loss`` and ``eval_loss/<source>`` at two eval batch sizes are the weighted
+    per-conversation means. On four processes the other dimension is data parallel
+    (``dp_shard_size=2``): two groups of two ranks, each group sharing a row of half the
+    conversations (at eval batch size 3, the second group's last row a copy)."""
     if trainer_name == "PackedSFTTrainer":
         pytest.importorskip("trl")
     mp.spawn(
@@ -709,9 +717,10 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, 
             {k: result["params"][k] - initial[k] for k in initial},
             {k: expected[k] - initial[k] for k in initial},
         )
-        logged = {**result["logs"], "eval_loss": result["eval_loss"]}
-        for key, value in by_source.items():
-            assert abs(logged[key] - value) <= 1e-5 * abs(value), (key, logged)
+        for evaluation in result["evaluations"]:
+            logged = {**result["logs"], **evaluation}
+            for key, value in by_source.items():
+                assert abs(logged[key] - value) <= 1e-5 * abs(value), (key, logged)
 
 
 @pytest.mark.cuda

@@ -93,6 +93,10 @@ def _bad_inputs(device="cpu"):
         ("seq_weights_negative", good,
          dict(cu_seqlens=cu(0, 3, 6), seq_weights=torch.tensor([1.0, -1.0], device=device),
               **packed)),
+        # each finite, their float64 sum (the mean's denominator) is not
+        ("seq_weights_sum_overflows", good,
+         dict(cu_seqlens=cu(0, 3, 6), seq_weights=torch.tensor([1e308, 1e308], dtype=torch.float64,
+                                                                device=device), **packed)),
     ]
 
 

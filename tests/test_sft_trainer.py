@@ -245,3 +245,64 @@ def test_packed_sft_trainer_refuses_compute_loss_func(tmp_path):
             processing_class=sft_tokenizer(),
             compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
         )
+
+
+def test_packed_sft_trainer_takes_training_arguments_as_trl_does(tmp_path):
+    """``args=TrainingArguments(...)``: converted to an ``SFTConfig`` as stock trl converts it (the
+    same fields, the hub token kept) before any option is read, and the step is the
+    per-conversation mean."""
+    from transformers import TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = sft_tokenizer()
+    vocab_size = len(tokenizer)
+    plain = sft_args(tmp_path, per_device_train_batch_size=len(SFT_LENGTHS)).to_dict()
+    fields = {k: v for k, v in plain.items() if k in TrainingArguments.__dataclass_fields__}
+    arguments = TrainingArguments(**{**fields, "hub_token": "token"})
+    model = tiny_causal_lm(vocab_size)
+    trainer = PackedSFTTrainer(
+        model=model, args=arguments, train_dataset=synthetic_dataset(vocab_size),
+        processing_class=tokenizer, optimizers=sgd(model),
+    )
+    stock = SFTTrainer(model=tiny_causal_lm(vocab_size), args=arguments,
+                       train_dataset=synthetic_dataset(vocab_size), processing_class=tokenizer)
+    assert type(trainer.args) is SFTConfig
+    assert trainer.args.to_dict() == stock.args.to_dict()
+    assert trainer.args.hub_token == stock.args.hub_token == "token"
+    initial = snapshot(model)
+    trainer.train()
+    check_step(trainer, model, initial, vocab_size, accumulation=1)
+
+
+def test_packed_sft_trainer_without_args_as_trl(tmp_path, monkeypatch):
+    """``args=None``: trl's default ``SFTConfig("<model name>-SFT")``, equal to stock trl's. Its
+    default ``bf16=True`` wants a GPU, stood in for here (nothing is trained)."""
+    from transformers import training_args
+    from trl import SFTConfig, SFTTrainer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(training_args, "is_torch_bf16_gpu_available", lambda: True)
+    tokenizer = sft_tokenizer()
+    vocab_size = len(tokenizer)
+    trainers = []
+    for trainer_class in (PackedSFTTrainer, SFTTrainer):
+        model = tiny_causal_lm(vocab_size)
+        model.config._name_or_path = "org/tiny-model"
+        trainers.append(trainer_class(model=model, train_dataset=synthetic_dataset(vocab_size),
+                                      processing_class=tokenizer))
+    packed, stock = trainers
+    assert type(packed.args) is SFTConfig and packed.args.output_dir == "tiny-model-SFT"
+    assert packed.args.to_dict() == stock.args.to_dict()
+
+
+def test_packed_sft_trainer_refuses_an_inexact_option_of_training_arguments(tmp_path):
+    """An option of a plain ``TrainingArguments`` is read after the conversion: refused by name."""
+    from transformers import TrainingArguments
+
+    vocab_size = len(sft_tokenizer())
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        PackedSFTTrainer(
+            model=tiny_causal_lm(vocab_size),
+            args=TrainingArguments(str(tmp_path), use_cpu=True, label_smoothing_factor=0.1, report_to=[]),
+            train_dataset=synthetic_dataset(vocab_size), processing_class=sft_tokenizer(),
+        )

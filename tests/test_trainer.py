@@ -302,15 +302,15 @@ def test_context_parallel_step_refuses_an_unsharded_row(tmp_path, monkeypatch):
 
 
 def test_context_parallel_evaluation_gives_the_loss_only(tmp_path, monkeypatch):
-    """Under context parallelism a rank holds a shard of the row's logits: an evaluation asking
-    for predictions (compute_metrics) is refused, naming the fix; the loss alone is computed on
-    the shard with the row's normaliser (compared with the per-conversation mean in
+    """Under context parallelism a rank holds a shard of the row's logits: a prediction step
+    asking for them (predict()) is refused, naming the fix; the loss alone is computed on the
+    shard with the row's normaliser (compared with the per-conversation mean in
     tests/test_context_parallel.py)."""
     model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
     trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
     batch = PackedCollator()(synthetic_conversations([9, 7], VOCAB))
     monkeypatch.setattr(trainer, "_context_parallel", (0, 1))
-    with pytest.raises(ValueError, match="loss only: leave out compute_metrics"):
+    with pytest.raises(ValueError, match="loss only: set prediction_loss_only=True"):
         trainer.prediction_step(model, batch, prediction_loss_only=False)
     loss, logits, labels = trainer.prediction_step(model, batch, prediction_loss_only=True)
     assert logits is None and labels is None

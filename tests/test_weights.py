@@ -465,6 +465,36 @@ def test_weights_of_any_scale_give_the_exact_mean(backend, scale, is_packed, per
     assert_close(torch.cat(grads), expected_grad, torch.float32)
 
 
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_weights_whose_float64_sum_overflows_are_refused(backend, fused):
+    """Two weights of 1e308, each finite, have an infinite float64 mass: the mean was NaN, its
+    gradients too. Refused naming seq_weights; two weights of 8e307 (a finite mass of 1.6e308)
+    give the unweighted mean, loss and gradients, as the equal weights of 1 do."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(len(LABELS), 8, generator=gen)
+    head = torch.randn(11, 8, generator=gen)
+    keywords = dict(cu_seqlens=torch.tensor(CU_SEQLENS[:1] + CU_SEQLENS[2:]), is_packed=True, shift=True,
+                    backend=backend)
+
+    def loss_and_grad(weights):
+        x = hidden.clone().requires_grad_()
+        seq_weights = torch.tensor(weights, dtype=torch.float64)
+        if fused:
+            loss = packed_ce.fused_linear_cross_entropy(x, head, torch.tensor(LABELS), seq_weights=seq_weights,
+                                                        **keywords)
+        else:
+            loss = packed_ce.cross_entropy(x @ head.T, torch.tensor(LABELS), seq_weights=seq_weights, **keywords)
+        return loss, torch.autograd.grad(loss, x)[0]
+
+    with pytest.raises(ValueError, match=r"seq_weights add up to more than float64 holds.*scale them down"):
+        loss_and_grad([1e308, 1e308])
+    expected, expected_grad = loss_and_grad([1.0, 1.0])
+    loss, grad = loss_and_grad([8e307, 8e307])
+    assert_close(loss, expected, torch.float32)
+    assert_close(grad, expected_grad, torch.float32)
+
+
 @pytest.mark.parametrize("preparation", PREPARATIONS[:2])
 def test_a_heavy_sequence_without_a_target_weighs_nothing(preparation):
     """A sequence without a target weighing 3e38 beside weights of 1e-10: divided by the mass it
@@ -588,6 +618,8 @@ BAD_INPUTS = [
      r"seq_weights must be finite and >= 0"),
     ("weights-negative", dict(seq_weights=torch.tensor([1.0, -0.5, 1.0])), ValueError,
      r"seq_weights must be finite and >= 0: got \[-0.5\]"),
+    ("weights-sum-overflows", dict(seq_weights=torch.tensor([1e308, 1.0, 1e308], dtype=torch.float64)), ValueError,
+     r"seq_weights add up to more than float64 holds"),
     ("weights-grad", dict(seq_weights=torch.ones(3, requires_grad=True)), ValueError,
      r"seq_weights must not require a gradient"),
     ("weights-no-boundaries", dict(seq_weights=torch.ones(3), cu_seqlens=None, is_packed=False), ValueError,

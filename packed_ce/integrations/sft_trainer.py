@@ -17,9 +17,13 @@ import inspect
 
 import datasets
 import torch
-from trl import SFTTrainer
+import transformers
+from packaging.version import Version
+from transformers import TrainingArguments
+from trl import SFTConfig, SFTTrainer
 from trl.chat_template_utils import has_generation_markers
 from trl.data_utils import is_conversational
+from trl.trainer.utils import get_config_model_id
 
 from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
@@ -30,7 +34,7 @@ from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
 from . import data_checks
 from .data_checks import check_datasets, skip_or_refuse_without_targets
-from .trainer import PackedNormaliserMixin, refuse_token_mean_options
+from .trainer import PackedNormaliserMixin, refuse_prediction_metrics, refuse_token_mean_options
 from .seams import warn_if_untested_trl
 from .transformers import apply_packed_loss
 
@@ -51,7 +55,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     - ``packing_strategy="bfd_split"``: over-long conversations split across rows, every target
       trained once, a split conversation weighing as one.
     - A numeric ``weight`` column (0 removes a conversation); a string ``source`` column:
-      ``loss/<source>`` logged beside ``loss`` (training only).
+      ``loss/<source>`` logged beside ``loss``.
+    - ``evaluate()``: ``eval_loss`` the per-conversation mean over the whole eval set, at any batch
+      size or process count, and ``eval_loss/<source>`` (:mod:`.evaluation`).
     - Context parallelism (``ParallelismConfig(cp_size=K)`` with ``padding_free=True``,
       :func:`enable_context_parallel`).
     - ``assistant_only_loss=True`` under a template without ``{% generation %}`` markers
@@ -65,7 +71,8 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     Raises:
         ValueError / TypeError naming the option or row, before tokenising, for what cannot give
             the per-conversation mean: ``loss_type`` other than ``"nll"``,
-            ``label_smoothing_factor > 0``, ``compute_loss_func``, ``packing_strategy="wrapped"``,
+            ``label_smoothing_factor > 0``, ``compute_loss_func``, ``compute_metrics`` or
+            ``preprocess_logits_for_metrics``, ``packing_strategy="wrapped"``,
             sequence parallelism, context parallelism without ``padding_free=True,
             packing=False``, bad ``weight`` / ``source`` values or all weights 0, an empty data
             set, a conversation without a target; and those of :class:`PackedTrainer`.
@@ -83,16 +90,21 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         warn_if_untested_trl()
         signature = _SIGNATURE.bind(self, *args, **kwargs)
         bound = signature.arguments
-        config = bound.get("args")
-        if config is not None:
-            _refuse_inexact_options(config, bound.get("compute_loss_func"))
-        assistant_only = config is not None and config.assistant_only_loss
-        check_datasets(bound, type(self).__name__, skip_no_assistant, assistant_only=assistant_only)
+        config = bound["args"] = sft_config(bound.get("args"), bound.get("model"))
+        _refuse_inexact_options(config, bound.get("compute_loss_func"))
+        refuse_prediction_metrics(
+            type(self).__name__,
+            bound.get("compute_metrics"),
+            bound.get("preprocess_logits_for_metrics"),
+        )
+        check_datasets(
+            bound, type(self).__name__, skip_no_assistant, assistant_only=config.assistant_only_loss
+        )
         self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
-        if config is not None and config.assistant_only_loss:
+        if config.assistant_only_loss:
             template = getattr(bound.get("processing_class"), "chat_template", None)
             # trl refuses such a template (or swaps in one of its own for a few known ones):
             # the assistant turns are found by collators.tokenize_conversation instead
@@ -191,6 +203,22 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             tokens = int(self.accelerator.gather_for_metrics(local[None]).sum())
             self._total_train_tokens += tokens // self._tp_size
         metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def sft_config(args, model) -> SFTConfig:
+    """``args`` as trl's ``SFTTrainer.__init__`` makes it an ``SFTConfig`` (trl 1.16), so that the
+    options are read before trl reads them: None gives ``SFTConfig("<model name>-SFT")``, a plain
+    ``TrainingArguments`` its own fields (and the hub token, which ``to_dict`` hides)."""
+    if args is None:
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return SFTConfig(f"{name.split('/')[-1]}-SFT")
+    if isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+        fields = args.to_dict()
+        fields["hub_token"] = args.hub_token
+        if Version(transformers.__version__) < Version("5.0.0"):
+            fields.pop("push_to_hub_token")
+        return SFTConfig(**fields)
+    return args
 
 
 def _refuse_inexact_options(args, compute_loss_func) -> None:

@@ -17,7 +17,9 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback
 
-from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, SHARD, source_names
+from collators.columns import (
+    EXAMPLE_TOKENS, LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, SHARD, source_names,
+)
 from collators.sharding import shard_for_rank
 
 from ..pending import check_pending
@@ -25,6 +27,7 @@ from .batch import count_num_items
 from .context_parallel import context_parallel_of, enable_context_parallel
 from .context_parallel.install import ContextParallel
 from .data_checks import check_datasets
+from .evaluation import EvaluationSums, ExampleTokens, copies_layout, sequence_sums
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 from .seams import CHECKED, RefuseOtherTrainers
@@ -50,13 +53,16 @@ class PackedNormaliserMixin:
     - the row columns (``seq_lengths``, ``seq_targets``, weights, sources) survive
       ``remove_unused_columns``;
     - ``loss/<source>`` logged beside ``loss`` (:class:`packed_ce.SequenceLosses`);
+    - ``eval_loss``: the per-conversation mean over the whole eval set, with ``eval_loss/<source>``
+      (:mod:`.evaluation`);
     - a MoE router loss added per micro-batch over the accumulation steps, as trl adds it;
     - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
     _context_parallel: ContextParallel | None = None  # the model's, under ParallelismConfig(cp_size)
     _sources: tuple[str, ...] = ()
-    _source_sums: torch.Tensor | None = None  # (sources, 2): weighted loss and weight, on device
+    _source_sums: torch.Tensor | None = None  # sequence_sums of the logging window, on device
+    _evaluation: EvaluationSums | None = None  # while an evaluation loop runs
 
     def _check_packed_setup(self) -> None:
         """Raises for a model or a set-up with which the step would not be the packed mean."""
@@ -83,6 +89,9 @@ class PackedNormaliserMixin:
                 "normalised over all processes"
             )
         refuse_token_mean_options(type(self).__name__, self.args, self.compute_loss_func)
+        refuse_prediction_metrics(
+            type(self).__name__, self.compute_metrics, self.preprocess_logits_for_metrics
+        )
         self._set_up_context_parallel()
         self.remove_callback(RefuseOtherTrainers)
         self.add_callback(CheckPendingValues)
@@ -115,25 +124,79 @@ class PackedNormaliserMixin:
             inputs, state.rank, state.world_size, ignore_index=loss.ignore_index
         )
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._counting_example_tokens():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self._counting_example_tokens():
+            return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _counting_example_tokens(self):
+        """The data collator wrapped in :class:`ExampleTokens` while an evaluation loader is
+        built (in the batch: a worker process's collator cannot report back otherwise)."""
+        collator = self.data_collator
+        self.data_collator = ExampleTokens(collator)
+        try:
+            yield
+        finally:
+            self.data_collator = collator
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+        metric_key_prefix="eval",
+    ):
+        """The Trainer's loop, its ``<prefix>_loss`` replaced by the per-conversation mean over the
+        whole data set, and ``<prefix>_loss/<source>`` beside it (:class:`EvaluationSums`)."""
+        name = type(self).__name__
+        refuse_prediction_metrics(name, self.compute_metrics, self.preprocess_logits_for_metrics)
+        sources = set(self._sources) | set(source_names(getattr(dataloader, "dataset", None)))
+        copies = copies_layout(dataloader, self.args.world_size, name)
+        evaluation = EvaluationSums(tuple(sorted(sources)), copies, self.args.device)
+        self._evaluation = evaluation
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        finally:
+            self._evaluation = None
+        output.metrics.update(evaluation.metrics(self.accelerator, metric_key_prefix))
+        return output
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """Under context parallelism, the evaluation loss as the training step computes it: the
-        row's normaliser, then this rank's shard (trl's ``prediction_step`` does neither: every
-        rank would run the whole row). Each rank returns its share times the number of
-        processes, so the evaluation loop's mean over the ranks is the row's loss."""
-        if self._context_parallel is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if not prediction_loss_only:
+        """One evaluation batch's loss as the training step computes it: the batch's normaliser
+        over the processes, then (context parallelism) this rank's shard of the row, whose loss
+        is its share. The per-sequence sums go to the evaluation's :class:`EvaluationSums`, the
+        copies accelerate adds to the last batch left out.
+
+        Returns:
+            ``(loss, logits, labels)`` as the Trainer's (logits None under context parallelism).
+        """
+        if self._context_parallel is not None and not prediction_loss_only:
             raise ValueError(
                 f"{type(self).__name__}: under context parallelism each rank holds a shard of the "
-                "row, so evaluation gives the loss only: leave out compute_metrics and "
-                "prediction_loss_only=False"
+                "row, so predict() gives the loss only: set prediction_loss_only=True"
             )
+        inputs = dict(inputs)
+        if LABELS not in inputs:  # predictions only, as the Trainer makes them
+            inputs.pop(EXAMPLE_TOKENS, None)
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
+        evaluation, state = self._evaluation, self.accelerator.gradient_state
+        if evaluation is not None and state.end_of_dataloader:
+            ignore_index = packed_loss_of(self.model).ignore_index
+            inputs = evaluation.without_copies(inputs, state.remainder, ignore_index)
+        inputs.pop(EXAMPLE_TOKENS, None)
         count = self._get_num_items_in_batch([inputs], self.args.device)
-        _, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        _, call = self._prepare_context_parallel_inputs(model, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=count)
-        return loss.detach(), None, None
+            loss, outputs = self.compute_loss(model, call, True, num_items_in_batch=count)
+        if evaluation is not None:
+            evaluation.batches += 1
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return loss.detach(), outputs.logits, inputs[LABELS]
 
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -176,8 +239,9 @@ class PackedNormaliserMixin:
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
         want_sources = sources is not None and model.training and bool(self._sources)
+        evaluation = None if model.training else self._evaluation
         call = {**inputs, "use_cache": False}
-        if want_sources:
+        if want_sources or evaluation is not None:
             call[SEQ_LOSSES_KEY] = True
         if num_items_in_batch is not None:
             call["num_items_in_batch"] = num_items_in_batch
@@ -197,35 +261,22 @@ class PackedNormaliserMixin:
             steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
             loss = loss + coef * aux / steps
         if want_sources:
-            self._add_source_losses(packed_loss.take_seq_losses(), sources, num_items_in_batch)
+            scale = 1.0 if num_items_in_batch is None else num_items_in_batch
+            sums = sequence_sums(packed_loss.take_seq_losses(), sources, self._sources, scale)
+            self._source_sums = sums if self._source_sums is None else self._source_sums + sums
+        elif evaluation is not None:
+            evaluation.add(packed_loss.take_seq_losses(), sources, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
-
-    def _add_source_losses(self, seq_losses, sources: list, num_items_in_batch) -> None:
-        """Adds a micro-batch's per-sequence losses to the window's per-source sums (no sync).
-
-        Times ``D`` the sums of ``coef_t * l_t`` and ``coef_t = w_t / D`` are the sequence's
-        weighted loss and weight, which add up over micro-batches and steps.
-        """
-        index = {name: i for i, name in enumerate(self._sources)}
-        # non_blocking: a blocking host-to-device copy would wait for the step's queued kernels
-        ids = torch.tensor([index.get(s, -1) for s in sources])
-        ids = ids.to(seq_losses.loss.device, non_blocking=True)
-        scale = 1.0 if num_items_in_batch is None else num_items_in_batch
-        # float64 before the scale: times a float64 D the weight is the conversation's weight,
-        # which may pass float32's range (a weight column of 1e39)
-        rows = torch.stack([seq_losses.loss, seq_losses.weight], dim=-1)[: len(ids)]
-        rows = torch.where((ids >= 0)[:, None], rows.to(torch.float64) * scale, 0.0)
-        sums = rows.new_zeros(len(self._sources), 2).index_add_(0, ids.clamp(min=0), rows)
-        self._source_sums = sums if self._source_sums is None else self._source_sums + sums
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """The Trainer's log, with ``loss/<source>`` of the window's conversations per source."""
         if self._sources and "loss" in logs and self.model.training:
             sums = self._source_sums
             if sums is None:
-                sums = torch.zeros(len(self._sources), 2, dtype=torch.float64, device=self.args.device)
+                shape = (1 + len(self._sources), 2)
+                sums = torch.zeros(shape, dtype=torch.float64, device=self.args.device)
             sums = self.accelerator.gather_for_metrics(sums[None]).sum(0).tolist()
-            for source, (loss, weight) in zip(self._sources, sums):
+            for source, (loss, weight) in zip(self._sources, sums[1:]):
                 if weight > 0:
                     logs[f"loss/{source}"] = loss / weight
             self._source_sums = None
@@ -265,7 +316,8 @@ class PackedTrainer(PackedNormaliserMixin, Trainer):
 
     Raises:
         ValueError: a model without the packed loss or ``**kwargs``, ``average_tokens_across_devices
-            =False`` over several processes, several GPUs in one process; naming the data set or
+            =False`` over several processes, several GPUs in one process, ``compute_metrics`` or
+            ``preprocess_logits_for_metrics`` (:mod:`.evaluation`); naming the data set or
             row: empty, a conversation without a target, bad weights or sources, every weight 0.
 
     Example:
@@ -300,4 +352,19 @@ def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:
         )
     if compute_loss_func is not None:
         raise ValueError(f"{trainer}: compute_loss_func replaces the packed loss; leave it out")
+
+
+def refuse_prediction_metrics(trainer: str, compute_metrics, preprocess_logits_for_metrics) -> None:
+    """Raises for the Trainer options that read predictions: a packed batch's are rows of several
+    conversations (and the last batch's hold copies), not one prediction per conversation."""
+    for option, value in (
+        ("compute_metrics", compute_metrics),
+        ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+    ):
+        if value is not None:
+            raise ValueError(
+                f"{trainer}: {option} would receive packed rows of several conversations, not "
+                "one prediction per conversation; leave it out: evaluate() reports eval_loss (the "
+                "per-conversation mean over the eval set) and eval_loss/<source>"
+            )
 

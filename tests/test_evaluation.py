@@ -1,0 +1,268 @@
+"""Evaluation: ``eval_loss`` is the weighted per-conversation mean over the whole eval set.
+
+Both trainers evaluate seven conversations (weights, two of them 0; two sources) at
+``per_device_eval_batch_size`` 1, 2 and 64 (all in one batch), in every batch layout (packed
+rows, conversations back to back, one per row), on one process and on two gloo processes, where
+accelerate completes the last batches with copies of the first conversations. Every
+``eval_loss`` and ``eval_loss/<source>`` must equal the weighted mean of each conversation run
+alone through the model (transformers' own loss, float32, 1e-5 relative); so must ``predict``'s
+``test_loss``. A batch whose conversations all weigh 0 (batch size 1) adds nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from integration_utils import (
+    free_port,
+    one_at_a_time,
+    sft_args,
+    synthetic_conversations,
+    tiny_model,
+    tiny_tokenizer,
+)
+
+Dataset = pytest.importorskip("datasets").Dataset
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+VOCAB = 96
+LENGTHS = [20, 12, 18, 14, 25, 7, 16]  # 7 conversations: no batch size above 1 divides them
+WEIGHTS = [1.0, 0.0, 0.5, 2.0, 0.0, 1.5, 1.0]
+SOURCES = ["chat", "code", "chat", "code", "code", "chat", "code"]
+BATCH_SIZES = [1, 2, 64]
+# (trainer, batch layout) of each evaluation
+LAYOUTS = [
+    ("PackedTrainer", "conversations"),  # PackedCollator: the batch's conversations in one row
+    ("PackedTrainer", "packed_rows"),  # rows of pack_dataset, several conversations each
+    ("PackedTrainer", "padded"),  # PaddedCollator: one conversation per row
+    ("PackedSFTTrainer", "padding_free"),
+    ("PackedSFTTrainer", "packing"),
+    ("PackedSFTTrainer", "padded"),
+]
+# on two processes: one layout of each kind, copies in a packed row and in rows
+TWO_PROCESS_LAYOUTS = [LAYOUTS[0], LAYOUTS[2], LAYOUTS[3], LAYOUTS[5]]
+
+
+def conversations() -> list[dict]:
+    rows = synthetic_conversations(LENGTHS, VOCAB, seed=3)
+    return [{**c, "weight": w, "source": s} for c, w, s in zip(rows, WEIGHTS, SOURCES)]
+
+
+def build_trainer(trainer_name: str, layout: str, out_dir: str, keywords=None, **fields):
+    """A trainer of the untrained tiny model whose eval set is :func:`conversations` in
+    ``layout``; ``keywords`` for the trainer, ``fields`` for its arguments."""
+    keywords = keywords or {}
+    data = Dataset.from_list(conversations())
+    model = tiny_model("llama", VOCAB)
+    common = dict(report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, **fields)
+    if trainer_name == "PackedTrainer":
+        from transformers import TrainingArguments
+
+        from collators import PackedCollator, PaddedCollator, pack_dataset
+        from packed_ce.integrations import PackedTrainer, apply_packed_loss
+
+        apply_packed_loss(model)
+        if layout == "packed_rows":
+            data = pack_dataset(data, max_length=32)
+        collator = PaddedCollator() if layout == "padded" else PackedCollator()
+        return PackedTrainer(model=model, args=TrainingArguments(out_dir, **common), eval_dataset=data,
+                             data_collator=collator, **keywords)
+    from packed_ce.integrations import PackedSFTTrainer
+
+    options = {
+        "padding_free": dict(padding_free=True, max_length=None),
+        "packing": dict(packing=True, max_length=32),
+        "padded": dict(max_length=None),
+    }[layout]
+    return PackedSFTTrainer(model=model, args=sft_args(out_dir, **options, **common), train_dataset=data,
+                            eval_dataset=data, processing_class=tiny_tokenizer(VOCAB), **keywords)
+
+
+def evaluated_conversations(dataset) -> list[dict]:
+    """The conversations of a trainer's eval set, with their weight and source (packed rows split
+    at ``seq_lengths``)."""
+    found = []
+    for row in dataset:
+        lengths = row.get("seq_lengths") or [len(row["input_ids"])]
+        weights = row.get("seq_weights") or [row["weight"]]
+        sources = row.get("seq_sources") or [row["source"]]
+        start = 0
+        for length, weight, source in zip(lengths, weights, sources):
+            found.append(dict(input_ids=row["input_ids"][start : start + length],
+                              labels=row["labels"][start : start + length], weight=weight, source=source))
+            start += length
+    return found
+
+
+def reference(found: list[dict], prefix: str = "eval") -> dict[str, float]:
+    """``eval_loss`` and ``eval_loss/<source>``: each conversation alone, weighted mean."""
+    model = tiny_model("llama", VOCAB)
+    expected = {}
+    with torch.no_grad():
+        for source in (None, *sorted(set(SOURCES))):
+            mine = [c for c in found if source in (None, c["source"])]
+            key = f"{prefix}_loss" if source is None else f"{prefix}_loss/{source}"
+            expected[key] = float(one_at_a_time(model, mine, [c["weight"] for c in mine]))
+    return expected
+
+
+def evaluate_at_each_batch_size(trainer) -> dict[int, dict[str, float]]:
+    results = {}
+    for size in BATCH_SIZES:
+        trainer.args.per_device_eval_batch_size = size
+        metrics = trainer.evaluate()
+        results[size] = {k: v for k, v in metrics.items() if k.startswith("eval_loss")}
+    return results
+
+
+def assert_matches(results: dict, expected: dict, label: str) -> None:
+    for size, metrics in results.items():
+        assert metrics.keys() == expected.keys(), (label, size, metrics)
+        for key, value in expected.items():
+            error = abs(metrics[key] - value) / abs(value)
+            assert error <= 1e-5, f"{label}, batch size {size}: {key} {metrics[key]:.8f} vs {value:.8f}"
+    key = next(iter(expected))  # <prefix>_loss
+    print(f"{label}: {key} {[round(m[key], 7) for m in results.values()]} at batch sizes "
+          f"{list(results)}, reference {expected[key]:.7f}")
+
+
+@pytest.mark.parametrize("trainer_name, layout", LAYOUTS, ids=[f"{t}-{layout}" for t, layout in LAYOUTS])
+def test_eval_loss_is_the_per_conversation_mean_at_any_batch_size(trainer_name, layout, tmp_path):
+    if trainer_name == "PackedSFTTrainer":
+        pytest.importorskip("trl")
+    trainer = build_trainer(trainer_name, layout, str(tmp_path))
+    expected = reference(evaluated_conversations(trainer.eval_dataset))
+    assert_matches(evaluate_at_each_batch_size(trainer), expected, f"{trainer_name} {layout}")
+
+
+def test_predict_reports_test_loss_and_sources(tmp_path):
+    """The prefix follows ``metric_key_prefix``: ``predict`` reports ``test_loss/<source>``."""
+    trainer = build_trainer("PackedTrainer", "conversations", str(tmp_path), per_device_eval_batch_size=3)
+    metrics = trainer.predict(trainer.eval_dataset).metrics
+    expected = reference(evaluated_conversations(trainer.eval_dataset), prefix="test")
+    assert_matches({3: {k: v for k, v in metrics.items() if k.startswith("test_loss")}}, expected, "predict")
+
+
+@pytest.mark.parametrize("trainer_name", ["PackedTrainer", "PackedSFTTrainer"])
+@pytest.mark.parametrize("option", ["compute_metrics", "preprocess_logits_for_metrics"])
+def test_prediction_metrics_are_refused(trainer_name, option, tmp_path, monkeypatch):
+    """Predictions of packed rows are no per-conversation predictions: refused at construction
+    (before trl prepares the data), and when set on the trainer afterwards, at evaluate()."""
+    if trainer_name == "PackedSFTTrainer":
+        pytest.importorskip("trl")
+        from trl import SFTTrainer
+
+        def prepare(*args, **kwargs):
+            raise AssertionError("the data was prepared before the refusal")
+
+        monkeypatch.setattr(SFTTrainer, "_prepare_dataset", prepare)
+    metric = lambda *args: {}  # noqa: E731
+    with pytest.raises(ValueError, match=f"{option} would receive packed rows.*eval_loss/<source>"):
+        build_trainer(trainer_name, "padded", str(tmp_path), {option: metric})
+    monkeypatch.undo()
+    trainer = build_trainer(trainer_name, "padded", str(tmp_path))
+    setattr(trainer, option, metric)
+    with pytest.raises(ValueError, match=f"{option} would receive packed rows"):
+        trainer.evaluate()
+
+
+# --- two processes ---------------------------------------------------------------------------
+
+WORLD = 2
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    """Every two-process layout at every batch size; each rank saves the results and the
+    conversations each trainer evaluated."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        results = {}
+        for trainer_name, layout in TWO_PROCESS_LAYOUTS:
+            if trainer_name == "PackedSFTTrainer" and not HAS_TRL:
+                continue
+            trainer = build_trainer(trainer_name, layout, out_dir, ddp_backend="gloo")
+            results[trainer_name, layout] = (
+                evaluate_at_each_batch_size(trainer), evaluated_conversations(trainer.eval_dataset)
+            )
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eval_loss_on_two_processes_leaves_out_accelerates_copies(tmp_path):
+    """Seven conversations over two processes: at batch sizes 1 and 2 the second process's last
+    batch holds a copy of the first conversation, at 64 both batches are completed with copies
+    (all of the second process's)."""
+    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
+    assert ranks[0].keys() == ranks[1].keys() and ranks[0]
+    for key, (results, found) in ranks[0].items():
+        assert ranks[1][key][0] == results  # every process reports the same
+        assert_matches(results, reference(found), f"two processes, {' '.join(key)}")
+
+
+# --- accelerate's copies, without a model ------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_batches", [False, True], ids=["per-process", "split"])
+def test_copies_are_found_where_accelerate_puts_them(split_batches):
+    """For every data set size, batch size and process count, accelerate's own
+    ``BatchSamplerShard`` deals the batches; the examples the evaluation keeps (the last batch's
+    rows left unmasked by ``without_copies``, at accelerate's ``remainder``) are every example
+    exactly once."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from collators.columns import EXAMPLE_TOKENS
+    from packed_ce.integrations.evaluation import EvaluationSums, copies_layout
+
+    for world in (2, 3):
+        for per_process in (1, 2, 3):
+            size = per_process * world if split_batches else per_process
+            for count in range(1, 10):
+                kept = []
+                for rank in range(world):
+                    sampler = BatchSamplerShard(BatchSampler(SequentialSampler(range(count)), size, False),
+                                                world, rank, split_batches=split_batches)
+                    batches = list(sampler)
+                    loader = SimpleNamespace(batch_sampler=sampler, dataset=range(count))
+                    evaluation = EvaluationSums((), copies_layout(loader, world, "test"), "cpu")
+                    # DataLoaderShard.begin: length % total batch size
+                    remainder = count % (size if split_batches else size * world)
+                    last = torch.tensor(batches[-1])
+                    batch = {"labels": last[:, None], EXAMPLE_TOKENS: torch.ones(len(last), dtype=torch.int64)}
+                    batch = evaluation.without_copies(batch, remainder, ignore_index=-1)
+                    kept += sum(batches[:-1], []) + batch["labels"][batch["labels"] >= 0].tolist()
+                assert sorted(kept) == list(range(count)), (world, size, count, kept)
+
+
+def test_eval_set_without_length_over_processes_is_refused():
+    """accelerate's ``IterableDatasetShard`` completes the last batch with copies that nothing
+    tells apart: refused naming the fix; with ``drop_last`` (no copies) or one process, taken."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import IterableDatasetShard
+
+    from packed_ce.integrations.evaluation import copies_layout
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    shard = IterableDatasetShard(Stream(), batch_size=2, num_processes=2)
+    with pytest.raises(ValueError, match="without a length: .* pass a data set with a length"):
+        copies_layout(SimpleNamespace(dataset=shard), 2, "PackedTrainer")
+    assert copies_layout(SimpleNamespace(dataset=shard), 1, "PackedTrainer") is None
+    dropping = IterableDatasetShard(Stream(), batch_size=2, drop_last=True, num_processes=2)
+    assert copies_layout(SimpleNamespace(dataset=dropping), 2, "PackedTrainer") is None
