@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import SequentialSampler
 from transformers import TrainingArguments
 
-from collators import PackedCollator, PaddedCollator, pack_dataset
-from packed_ce.integrations import PackedTrainer, apply_packed_loss
+from collators import PackedCollator, PaddedCollator, pack_dataset, shard_batch
+from packed_ce.integrations import PackedTrainer, apply_packed_loss, count_num_items
 
 from integration_utils import (
     assert_loss_close,
@@ -285,35 +285,40 @@ def test_weights_keep_their_dtype_where_deepspeed_casts_the_batch(engine_dtype, 
     assert batch["seq_weights"] is weights  # the caller's batch is left as it was
 
 
-def test_context_parallel_step_refuses_an_unsharded_row(tmp_path, monkeypatch):
+def one_rank_context_parallel(tmp_path):
+    """A PackedTrainer whose model has context parallelism over a group of one rank (the row unchanged)."""
+    from packed_ce.integrations import enable_context_parallel
+    from packed_ce.integrations.context_parallel import context_parallel_of
+
+    model = enable_context_parallel(apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True))
+    trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
+    trainer._context_parallel = context_parallel_of(model)
+    return model, trainer, PackedCollator()(synthetic_conversations([9, 7], VOCAB))
+
+
+def test_context_parallel_step_refuses_an_unsharded_row(tmp_path, one_rank_group):
     """With context parallelism on, a model call whose row did not pass through
     ``_prepare_context_parallel_inputs`` (a Trainer that stopped calling it) raises instead of
     training every rank on the whole row; after the override ran, the call goes through."""
-    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
-    trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
-    batch = PackedCollator()(synthetic_conversations([9, 7], VOCAB))
-    monkeypatch.setattr(trainer, "_context_parallel", (0, 1))  # a group of one: the row unchanged
+    model, trainer, batch = one_rank_context_parallel(tmp_path)
     with pytest.raises(RuntimeError, match="did not call Trainer._prepare_context_parallel_inputs"):
         trainer.compute_loss(model, batch)
     _, sharded = trainer._prepare_context_parallel_inputs(model, batch)
-    assert torch.isfinite(trainer.compute_loss(model, sharded))
-    with pytest.raises(RuntimeError, match="did not call"):  # the flag serves one call
+    assert torch.isfinite(trainer.compute_loss(model, sharded, num_items_in_batch=count_num_items(batch)))
+    with pytest.raises(RuntimeError, match="did not call"):  # decided by each call's batch
         trainer.compute_loss(model, batch)
 
 
-def test_context_parallel_evaluation_gives_the_loss_only(tmp_path, monkeypatch):
+def test_context_parallel_evaluation_gives_the_loss_only(tmp_path, one_rank_group):
     """Under context parallelism a rank holds a shard of the row's logits: a prediction step
     asking for them (predict()) is refused, naming the fix; the loss alone is computed on the
     shard with the row's normaliser (compared with the per-conversation mean in
     tests/test_context_parallel.py)."""
-    model = apply_packed_loss(tiny_model("llama", VOCAB), is_packed=True)
-    trainer = PackedTrainer(model=model, args=training_args(tmp_path), data_collator=PackedCollator())
-    batch = PackedCollator()(synthetic_conversations([9, 7], VOCAB))
-    monkeypatch.setattr(trainer, "_context_parallel", (0, 1))
+    model, trainer, batch = one_rank_context_parallel(tmp_path)
     with pytest.raises(ValueError, match="loss only: set prediction_loss_only=True"):
         trainer.prediction_step(model, batch, prediction_loss_only=False)
     loss, logits, labels = trainer.prediction_step(model, batch, prediction_loss_only=True)
     assert logits is None and labels is None
     with torch.no_grad():
-        expected = model(**batch).loss
+        expected = model(**shard_batch(batch, 0, 1), num_items_in_batch=count_num_items(batch)).loss
     torch.testing.assert_close(loss, expected)
