@@ -472,13 +472,14 @@ def test_checkpointing_with_two_forwards_before_the_backward(tmp_path):
 
 def test_gradient_reaches_the_collective_contiguous(one_rank_group):
     """The keys' and values' gradients come back to the gather as permuted views of
-    ``(1, H, T, D)``; the one buffer handed to the collective is contiguous (NCCL's reduce-scatter splits raw memory: a
-    buffer keeping the view's strides mixed the ranks' gradients), and equals the gradient."""
+    ``(1, H, T, D)``; the one buffer handed to the collective is contiguous (NCCL's reduce-scatter
+    splits raw memory: a buffer keeping a view's strides mixed the ranks' gradients), and the
+    gradients pass through it unchanged."""
     from packed_ce.integrations.context_parallel.attention import gather_row
     from packed_ce.integrations.context_parallel.layout import RowLayout
 
-    order = torch.tensor([3, 4, 5, 0, 1, 2])  # row token t is entry order[t] of the gather
-    layout = RowLayout(None, 0, 1, order, torch.zeros(6, dtype=torch.int64), torch.arange(6))
+    rows = torch.tensor([3, 4, 5, 0, 1, 2])  # the row token of each entry of the gather
+    layout = RowLayout(None, 0, 1, rows, torch.zeros(6, dtype=torch.int64), rows, torch.zeros(6, dtype=torch.int64))
     leaves = [torch.randn(1, 6, 2, 4, requires_grad=True) for _ in range(2)]  # (1, L, H, D), as projected
     upstream = [torch.randn(1, 2, 6, 4) for _ in range(2)]
     contiguous = []
@@ -489,13 +490,12 @@ def test_gradient_reaches_the_collective_contiguous(one_rank_group):
         return all_reduce(tensor, *args, **kwargs)
 
     with mock.patch.object(dist, "all_reduce", spy):
-        rows = gather_row(*(leaf.transpose(1, 2) for leaf in leaves), layout)  # (1, H, T, D) each
-        sum((row * up).sum() for row, up in zip(rows, upstream)).backward()
+        gathered = gather_row(*(leaf.transpose(1, 2) for leaf in leaves), layout)  # (1, H, T, D) each
+        sum((row * up).sum() for row, up in zip(gathered, upstream)).backward()
     assert contiguous == [True]  # one collective for keys and values
-    for leaf, row, up in zip(leaves, rows, upstream):
-        expected = torch.empty_like(up).index_copy_(2, order, up)  # back to rank order
-        torch.testing.assert_close(leaf.grad, expected.transpose(1, 2), rtol=0, atol=0)
-        torch.testing.assert_close(row, leaf.transpose(1, 2)[:, :, order], rtol=0, atol=0)
+    for leaf, row, up in zip(leaves, gathered, upstream):
+        torch.testing.assert_close(leaf.grad, up.transpose(1, 2), rtol=0, atol=0)
+        torch.testing.assert_close(row, leaf.transpose(1, 2), rtol=0, atol=0)
 
 
 def test_flex_route_computes_what_the_dense_route_does():
@@ -509,8 +509,10 @@ def test_flex_route_computes_what_the_dense_route_does():
 
     gen = torch.Generator().manual_seed(0)
     queries, total, heads, groups, dim = 64, 128, 2, 2, 16
-    documents = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 30, 50, 8]))
-    layout = RowLayout(None, 0, 2, torch.arange(total), documents, torch.cat([torch.arange(32), torch.arange(96, 128)]))
+    # keys in gather order (rank 1's chunks first), conversations of 40, 30, 50 and 8 tokens
+    rows = torch.cat([torch.arange(32, 96), torch.arange(32), torch.arange(96, 128)])
+    documents = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 30, 50, 8]))[rows]
+    layout = RowLayout(None, 1, 2, rows, documents, rows[64:], documents[64:])
     q = torch.randn(1, heads * groups, queries, dim, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(1, heads, total, dim, generator=gen, dtype=torch.float64) for _ in range(2))
     sinks = torch.randn(heads * groups, generator=gen, dtype=torch.float64)

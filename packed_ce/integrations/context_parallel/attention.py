@@ -2,8 +2,8 @@
 
 Registered once with transformers' attention interface under :data:`ATTENTION_NAME`; it holds no
 state: the row's :class:`~.layout.RowLayout` comes with each call (:data:`ROW_LAYOUT`). The keys and
-values are all-gathered together per layer and copied once into row order; the gather's backward
-is one reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
+values are all-gathered together per layer (rank-major: the mask maps each to its row token);
+the gather's backward is one reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
 asks of its attention is done exactly or refused: sliding windows (the mask), an attention logit
 softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score), attention sinks (gpt-oss: a
 per-head logit in the softmax's denominator only), dropout (refused).
@@ -26,10 +26,10 @@ DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_pr
 
 
 class _GatherRow(torch.autograd.Function):
-    """The keys and values of every rank in row order: ``(L, Hkv, D)`` each -> ``(T, Hkv, D)`` each.
+    """The keys and values of every rank, rank-major: ``(L, Hkv, D)`` each -> ``(T, Hkv, D)`` each.
 
-    Forward: one all-gather of both (rank-major), then one copy into row order. Backward: back to
-    rank-major, one reduce-scatter (every rank's queries read each rank's keys and values).
+    Forward: one all-gather of both. Backward: one reduce-scatter (every rank's queries read each
+    rank's keys and values).
     """
 
     @staticmethod
@@ -38,19 +38,15 @@ class _GatherRow(torch.autograd.Function):
         local = torch.stack((key, value), dim=1)  # (L, 2, Hkv, D), contiguous
         gathered = local.new_empty((layout.world_size * local.shape[0], *local.shape[1:]))
         dist.all_gather_into_tensor(gathered, local, group=layout.group)
-        rows = gathered.index_select(0, layout.order)  # (T, 2, Hkv, D)
-        return rows[:, 0], rows[:, 1]
+        return gathered[:, 0], gathered[:, 1]
 
     @staticmethod
     def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
         layout = ctx.layout
-        # row order -> rank-major, in a new contiguous buffer: the gradients arrive as permuted
-        # views of (1, H, T, D), and NCCL's reduce-scatter splits the raw memory, not the first
-        # dimension (a buffer keeping a view's strides came back mixed between the ranks).
-        # order is a permutation of the T entries: every one is written, none needs zeroing.
-        ranked = grad_key.new_empty((grad_key.shape[0], 2, *grad_key.shape[1:]))
-        for half, grad in enumerate((grad_key, grad_value)):
-            ranked[:, half].index_copy_(0, layout.order, grad)
+        # a new contiguous buffer: the gradients arrive as permuted views of (1, H, T, D), and
+        # NCCL's reduce-scatter splits the raw memory, not the first dimension (a buffer keeping
+        # a view's strides came back mixed between the ranks)
+        ranked = torch.stack((grad_key, grad_value), dim=1)  # (T, 2, Hkv, D)
         local = ranked.shape[0] // layout.world_size
         if dist.get_backend(layout.group) == "nccl":
             own = ranked.new_empty((local, *ranked.shape[1:]))
@@ -62,8 +58,9 @@ class _GatherRow(torch.autograd.Function):
 
 
 def gather_row(key: torch.Tensor, value: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as the whole row ``(1, Hkv, T, D)``,
-    in row order. They are ``(1, L, H, D)`` transposed, so the token-major views need no copy."""
+    """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as ``(1, Hkv, T, D)``, rank-major
+    (:class:`RowLayout` maps each entry to its row token). They are ``(1, L, H, D)`` transposed,
+    so the token-major views need no copy."""
     keys, values = _GatherRow.apply(key[0].transpose(0, 1), value[0].transpose(0, 1), layout)
     return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
 

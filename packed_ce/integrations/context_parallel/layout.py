@@ -26,11 +26,16 @@ class RowLayout:
     """What the attention of every layer needs about the row: built once per forward, handed to
     the layers as a keyword (so a recompute under gradient checkpointing uses its own forward's).
 
+    The keys stay in the rank-major order of their all-gather (never permuted into row order): the
+    mask reads each key's row index and conversation from tables in that order. A key block of
+    128 lies within one chunk, so the block sparsity is the row order's.
+
     Attributes:
         group, rank, world_size: the ranks sharing the row.
-        order: ``(T,)`` int64: row token ``t`` is entry ``order[t]`` of the rank-major gather.
-        documents: ``(T,)`` int64 conversation of each row token.
-        queries: ``(L,)`` int64 row index of each local token.
+        rows: ``(T,)`` int64 row index of each entry of the rank-major gather.
+        documents: ``(T,)`` int64 conversation of each entry of the gather.
+        queries: ``(L,)`` int64 row index of each local token (the rank's entries of ``rows``).
+        query_documents: ``(L,)`` int64 conversation of each local token.
         masks: per sliding window (None: none), built on first use: a flex-attention block mask
             (CUDA, long rows) or the dense ``(L, T)`` bool mask.
     """
@@ -38,9 +43,10 @@ class RowLayout:
     group: object
     rank: int
     world_size: int
-    order: torch.Tensor
+    rows: torch.Tensor
     documents: torch.Tensor
     queries: torch.Tensor
+    query_documents: torch.Tensor
     masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -48,8 +54,8 @@ class RowLayout:
         cls, group, rank: int, world_size: int, position_ids: torch.Tensor, chunks: tuple
     ) -> RowLayout:
         """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = mC``) and derives
-        conversations, query rows and the order. Every rank's ``L`` and ``chunks`` (``W`` tuples of
-        ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree."""
+        each entry's row index and conversation. Every rank's ``L`` and ``chunks`` (``W`` tuples
+        of ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree."""
         local = position_ids.shape[1]
         device = position_ids.device
         chunk_of = torch.tensor(chunks, device=device)  # (W, m)
@@ -57,25 +63,25 @@ class RowLayout:
         gathered = position_ids.new_empty(world_size * local)  # rank-major
         dist.all_gather_into_tensor(gathered, position_ids[0].contiguous(), group=group)
         # entry (r, j, i) of the gather is row token chunks[r][j] * C + i
-        row_index = (chunk_of[:, :, None] * size + torch.arange(size, device=device)).reshape(-1)
-        order = torch.empty_like(row_index)
-        order[row_index] = torch.arange(row_index.numel(), device=device)
-        positions = gathered[order]  # (T,) in row order
-        documents, _ = sequence_ids(positions, None, positions)
-        queries = row_index.reshape(world_size, local)[rank]
-        return cls(group, rank, world_size, order, documents, queries)
+        rows = (chunk_of[:, :, None] * size + torch.arange(size, device=device)).reshape(-1)
+        order = torch.empty_like(rows)
+        order[rows] = torch.arange(rows.numel(), device=device)
+        positions = gathered[order]  # (T,) in row order: the restart rule reads neighbours
+        documents = sequence_ids(positions, None, positions)[0][rows]  # back to gather order
+        mine = slice(rank * local, (rank + 1) * local)
+        return cls(group, rank, world_size, rows, documents, rows[mine], documents[mine])
 
     def mask_mod(self, window: int | None):
-        """The rule ``(b, h, q, k) -> bool`` on local query and row key indices, elementwise on
+        """The rule ``(b, h, q, k) -> bool`` on local query and gather key indices, elementwise on
         broadcast indices: flex attention's ``mask_mod`` and the dense mask alike."""
-        documents, queries = self.documents, self.queries
-        query_documents = documents[queries]  # (L,): no load of a load in the kernel
+        rows, documents = self.rows, self.documents
+        queries, query_documents = self.queries, self.query_documents
 
         def mask_mod(b, h, q_idx, kv_idx):
-            row = queries[q_idx]
-            visible = (query_documents[q_idx] == documents[kv_idx]) & (kv_idx <= row)
+            query, key = queries[q_idx], rows[kv_idx]
+            visible = (query_documents[q_idx] == documents[kv_idx]) & (key <= query)
             if window is not None:
-                visible = visible & (row - kv_idx < window)
+                visible = visible & (query - key < window)
             return visible
 
         return mask_mod
@@ -83,7 +89,7 @@ class RowLayout:
     def mask(self, window: int | None, device: torch.device):
         """The mask of layers with sliding window ``window`` (None: full causal), built once."""
         if window not in self.masks:
-            local, total = self.queries.numel(), self.documents.numel()
+            local, total = self.queries.numel(), self.rows.numel()
             mask_mod = self.mask_mod(window)
             if device.type == "cuda" and local * total > DENSE_MASK_ELEMENTS:
                 from torch.nn.attention.flex_attention import create_block_mask
