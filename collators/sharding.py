@@ -13,10 +13,7 @@ import numpy as np
 import torch
 
 from .checks import positive_int, targets_per_sequence
-from .columns import (
-    CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS,
-    SHIFT_LABELS,
-)
+from .columns import CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQUENCE_COLUMNS, SHIFT_LABELS
 
 
 def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
@@ -42,8 +39,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         - ``shift_labels`` ``(1, 2C)`` int64: each local token's target.
         - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
-        - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
-        - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.
+        - every other key of ``collators.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights`` ``(S_local,)``
+          float64, ``seq_sources`` a list): each segment's value, its sequence's.
 
     Example:
 
@@ -101,24 +98,29 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         position_ids = (torch.arange(num_tokens, device=input_ids.device) - starts)[None]
     elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
         raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
-    seq_targets = batch.get(SEQ_TARGETS)
-    if seq_targets is None:
-        # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
-        own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
-        seq_targets = torch.from_numpy(np.maximum(own, 1))
-    per_sequence = {SEQ_TARGETS: seq_targets}
-    if batch.get(SEQ_WEIGHTS) is not None:
-        per_sequence[SEQ_WEIGHTS] = batch[SEQ_WEIGHTS]
-    for name, values in per_sequence.items():
-        if not torch.is_tensor(values) or values.shape != (num_sequences,):
+    per_sequence = {}
+    for column in SEQUENCE_COLUMNS:
+        values = batch.get(column.key)
+        if values is None and column.absent == "count":
+            # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
+            own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
+            values = torch.from_numpy(np.maximum(own, 1))
+        if values is None:
+            continue
+        if column.dtype is not None and (not torch.is_tensor(values) or values.shape != (num_sequences,)):
             raise ValueError(
-                f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
+                f"`batch['{column.key}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
             )
-    if (per_sequence[SEQ_TARGETS] < 1).any():
-        raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
-    weights = per_sequence.get(SEQ_WEIGHTS)
-    if weights is not None and not (weights.isfinite() & (weights >= 0)).all():
-        raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
+        if column.dtype is None and len(values) != num_sequences:
+            raise ValueError(
+                f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got {len(values)}."
+            )
+        column.values(values, f"batch['{column.key}']")
+        if column.absent == "count" and (values < 1).any():
+            raise ValueError(
+                f"`batch['{column.key}']` must be >= 1 (PackedCollator gives 1 to a sequence without targets)."
+            )
+        per_sequence[column] = values
 
     # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
     shift_labels = torch.full_like(labels[0], ignore_index)
@@ -143,15 +145,13 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         POSITION_IDS: position_ids[:, local],
         SHIFT_LABELS: shift_labels[local][None],
         CU_SEQLENS: torch.cat((local_starts, torch.tensor([2 * size], device=input_ids.device))).to(torch.int32),
-        SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(input_ids.device)[sequence_of].to(torch.int32),
     }
-    if SEQ_WEIGHTS in per_sequence:
-        shard[SEQ_WEIGHTS] = per_sequence[SEQ_WEIGHTS].to(input_ids.device)[sequence_of].to(torch.float64)
-    sources = batch.get(SEQ_SOURCES)
-    if sources is not None:
-        if len(sources) != num_sequences:
-            raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
-        shard[SEQ_SOURCES] = [sources[index] for index in sequence_of.tolist()]
+    for column, values in per_sequence.items():
+        if column.dtype is None:
+            shard[column.key] = [values[index] for index in sequence_of.tolist()]
+        else:
+            dtype = getattr(torch, column.dtype)
+            shard[column.key] = values.to(input_ids.device)[sequence_of].to(dtype)
     return shard
 
 

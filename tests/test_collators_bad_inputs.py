@@ -224,7 +224,7 @@ TABLE = [
     ("PackedCollator seq_targets below own", lambda tok: PackedCollator()([dict(EXAMPLE, seq_targets=[1])]),
      (ValueError, "`examples[0]['seq_targets']` is [1], below the sequences' own target counts [2]")),
     ("PackedCollator seq_targets wrong length", lambda tok: PackedCollator()([dict(EXAMPLE, seq_targets=[5, 5])]),
-     (ValueError, "`examples[0]['seq_targets']` must hold one count >= 0 per sequence")),
+     (ValueError, "`examples[0]['seq_targets']` must hold one target count per sequence")),
     ("PackedCollator seq_weights nan", lambda tok: PackedCollator()([dict(EXAMPLE, seq_weights=[math.nan])]),
      (ValueError, "`examples[0]['seq_weights']` must be finite and >= 0, got nan")),
     ("PackedCollator seq_weights negative", lambda tok: PackedCollator()([dict(EXAMPLE, seq_weights=[-0.5])]),

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from collators.columns import (
-    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES, SEQ_TARGETS,
-    SEQ_WEIGHTS,
+    ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS, SEQUENCE_COLUMNS,
 )
 
 from ..targets import sequence_ids
@@ -409,17 +408,14 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
     multiple = 2 * world_size
     padding = -length % multiple
     row = {INPUT_IDS: input_ids, LABELS: labels, CU_SEQLENS: cu_seqlens}
-    for key in (SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES):
-        if batch.get(key) is not None:
-            row[key] = batch[key]
+    for column in SEQUENCE_COLUMNS:
+        if batch.get(column.key) is not None:
+            row[column.key] = batch[column.key]
     if padding:
         row[INPUT_IDS] = F.pad(input_ids, (0, padding), value=0)
         row[LABELS] = F.pad(labels, (0, padding), value=ignore_index)
         row[CU_SEQLENS] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
-        if SEQ_TARGETS in row:
-            row[SEQ_TARGETS] = torch.cat((row[SEQ_TARGETS], row[SEQ_TARGETS].new_ones(1)))
-        if SEQ_WEIGHTS in row:
-            row[SEQ_WEIGHTS] = torch.cat((row[SEQ_WEIGHTS], row[SEQ_WEIGHTS].new_zeros(1)))
-        if SEQ_SOURCES in row:
-            row[SEQ_SOURCES] = list(row[SEQ_SOURCES]) + [None]
+        for column in SEQUENCE_COLUMNS:
+            if column.key in row:
+                row[column.key] = column.padded(row[column.key])
     return shard_batch(row, rank, world_size, ignore_index=ignore_index)

@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainerCallback
 
-from collators.columns import LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, source_names
+from collators.columns import FLOAT_SEQUENCE_KEYS, LABELS, ROW_COLUMNS, SEQ_SOURCES, source_names
 
 from ..pending import check_pending
 from .batch import count_num_items
@@ -30,7 +30,7 @@ from .seams import CHECKED, RefuseOtherTrainers
 # Float batch keys that are data, not activations: under DeepSpeed the Trainer casts every float
 # tensor to the engine's dtype, while the normaliser is counted from the float64 weights as
 # collated (in bf16 a weight of 0.1 would weigh 0.10009765625, in float32 1e39 would be inf).
-EXACT_FLOAT_KEYS = (SEQ_WEIGHTS,)
+EXACT_FLOAT_KEYS = FLOAT_SEQUENCE_KEYS
 
 
 class CheckPendingValues(TrainerCallback):
