@@ -50,7 +50,9 @@ MAX_LENGTH_K = "max_length_k"
 
 def _check_source(value, name: str):
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"`{name}` must be None or a string (sources are strings), got {type(value).__name__} {value!r}.")
+        raise TypeError(
+            f"`{name}` must be None or a string (sources are strings), got {type(value).__name__} {value!r}."
+        )
     return value
 
 

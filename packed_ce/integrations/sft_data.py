@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from collators.collate import example_values, sequence_columns
-from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQUENCE_COLUMNS
+from collators.columns import (
+    CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQUENCE_COLUMNS,
+)
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
@@ -67,14 +69,14 @@ class SequenceColumns:
         self.padding_free = padding_free
 
     def __call__(self, examples: list[dict]) -> dict:
-        # each column's per-sequence key and data set column; seq_lengths stays, trl's collator reads it
-        keys = [key for column in SEQUENCE_COLUMNS for key in (column.key, column.column) if key]
+        # each column's per-sequence key and data set column (trl's collator reads seq_lengths)
+        keys = [k for column in SEQUENCE_COLUMNS for k in (column.key, column.column) if k]
         extra = [{k: example.pop(k) for k in keys if k in example} for example in examples]
         batch = self.collator(examples)
         if not any(extra):
             return batch
-        counts = [len(example[SEQ_LENGTHS]) if SEQ_LENGTHS in example else 1 for example in examples]
-        values = [example_values(found, index, count) for index, (found, count) in enumerate(zip(extra, counts))]
+        counts = [len(e[SEQ_LENGTHS]) if SEQ_LENGTHS in e else 1 for e in examples]
+        values = [example_values(found, i, n) for i, (found, n) in enumerate(zip(extra, counts))]
         columns = sequence_columns(values, counts)  # target counts from every example or none
         if self.padding_free:
             cu_seqlens = batch[CU_SEQ_LENS_Q]
