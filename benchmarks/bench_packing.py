@@ -16,9 +16,14 @@ packing call's wall time, the peak of `RssAnon` above the process at rest, and t
 trl packs each `map` batch of 1000 conversations on its own (its default), `collators.pack_dataset` the whole
 data set at once (global best-fit decreasing).
 
+`--stream`: the same file read as a stream (`Dataset.from_file(...).to_iterable_dataset()`) and packed by
+`collators.pack_dataset` window by window, one run per `--windows` size (conversations; 0: the default), against
+the whole-data-set packer on the same file: how memory behaves and how much a larger window tightens the rows.
+
 Run: `python benchmarks/bench_packing.py [--sizes 50M,200M,1B] [--data-dir DIR]`. Writes
-`results/packing.json`, `packing.md` and `packing.png` (time and memory against tokens) under `--out`;
-`--data-dir` keeps the generated files between runs (8 bytes a token).
+`results/packing.json`, `packing.md` and `packing.png` (time and memory against tokens) under `--out`
+(`--stream`: `streaming_packing.json` and `.md`); `--data-dir` keeps the generated files between runs (8 bytes a
+token).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PACKERS = ("packed_ce", "trl")
+STREAM = "packed_ce_stream"  # pack_dataset on the file read as a datasets.IterableDataset
 GIB = 2**30
 SAMPLE_SECONDS = 0.005
 # Rows per record batch of the generated file: `datasets`' own writer batch size.
@@ -84,7 +90,7 @@ def rss_anon(pid: int) -> int:
     raise RuntimeError("no RssAnon in /proc/<pid>/status (Linux only)")
 
 
-def child(packer: str, data: Path, max_length: int) -> None:
+def child(packer: str, data: Path, max_length: int, window: int) -> None:
     """One packing run: load, report ready, wait for the go, pack, report the time, then the rows' figures."""
     import datasets
     import pyarrow.compute as pc
@@ -96,6 +102,13 @@ def child(packer: str, data: Path, max_length: int) -> None:
 
         def pack(dataset):
             return pack_dataset(dataset, max_length)
+    elif packer == STREAM:
+        from collators import pack_dataset
+
+        def pack(dataset):
+            options = {"buffer_size": window} if window else {}  # 0: the default (or a version without it)
+            rows = data.parent / "cache-stream.arrow"
+            return pack_dataset(dataset.to_iterable_dataset(), max_length, cache_file_name=str(rows), **options)
     else:
         from trl.data_utils import pack_dataset
 
@@ -115,11 +128,12 @@ def child(packer: str, data: Path, max_length: int) -> None:
           flush=True)
 
 
-def measure(packer: str, data: Path, max_length: int) -> dict:
+def measure(packer: str, data: Path, max_length: int, window: int = 0) -> dict:
     """Runs `child` in a process of its own and samples its anonymous memory while it packs."""
-    for stale in data.parent.glob("cache-*.arrow"):  # an earlier run's rows would be reused
+    for stale in data.parent.glob("cache-*.arrow*"):  # an earlier run's rows would be reused
         stale.unlink()
-    command = [sys.executable, __file__, "--child", packer, "--data", str(data), "--max-length", str(max_length)]
+    command = [sys.executable, __file__, "--child", packer, "--data", str(data), "--max-length", str(max_length),
+               "--window", str(window)]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
         raise RuntimeError(f"{packer}: the child failed before packing (exit {process.wait()})")
@@ -147,9 +161,17 @@ def measure(packer: str, data: Path, max_length: int) -> dict:
     return {**result, "anon_at_rest_gib": at_rest / GIB, "peak_anon_gib": (peak - at_rest) / GIB}
 
 
-def write_results(out: Path, results: dict) -> None:
+def stream_runs(data: Path, max_length: int, windows: list[int]) -> dict:
+    """The whole-data-set packer, then the stream at each window, on the same file."""
+    runs = {"packed_ce": measure("packed_ce", data, max_length)}
+    for window in windows:
+        runs[f"{STREAM} window {window or 'default'}"] = measure(STREAM, data, max_length, window)
+    return runs
+
+
+def write_results(out: Path, results: dict, name: str = "packing") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "packing.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     lines = [
         f"Packing a memory-mapped tokenized data set into rows of {results['max_length']} tokens "
         f"({results['machine']}).",
@@ -158,16 +180,14 @@ def write_results(out: Path, results: dict) -> None:
         "|---|---|---|---|---|---|",
     ]
     for size in results["sizes"]:
-        for packer in PACKERS:
-            run = size["runs"].get(packer)
-            if run is None:
-                continue
+        for packer, run in size["runs"].items():
             lines.append(
                 f"| {size['num_tokens'] / 1e6:,.0f}M ({size['num_conversations']:,}) | {packer} | "
                 f"{run['seconds']:.1f} | {run['peak_anon_gib']:+.2f} | {run['rows']:,} | {run['efficiency']:.2%} |"
             )
-    (out / "packing.md").write_text("\n".join(lines) + "\n")
-    plot(out / "packing.png", results)
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    if name == "packing":
+        plot(out / "packing.png", results)
 
 
 def plot(path: Path, results: dict) -> None:
@@ -202,12 +222,17 @@ def main() -> None:
                         help="where the generated data sets are kept (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--note", default="", help="a remark stored with the results (e.g. other load)")
-    parser.add_argument("--child", choices=PACKERS, help=argparse.SUPPRESS)
+    parser.add_argument("--stream", action="store_true", help="pack the file read as a stream, per --windows")
+    parser.add_argument("--windows", default="1024,4096,16384,65536",
+                        help="--stream: window sizes in conversations, 0 for the default (default: %(default)s)")
+    parser.add_argument("--child", choices=(*PACKERS, STREAM), help=argparse.SUPPRESS)
     parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.data, args.max_length)
+        child(args.child, args.data, args.max_length, args.window)
         return
+    name = "streaming_packing" if args.stream else "packing"
 
     packers = args.packers.split(",")
     results = {
@@ -228,16 +253,18 @@ def main() -> None:
             start = time.perf_counter()
             info = make_data(data, parse_size(text))
             print(f"generated {info['num_tokens']:,} tokens in {time.perf_counter() - start:.0f} s", flush=True)
-        size = {**info, "runs": {}}
-        for packer in packers:
-            size["runs"][packer] = run = measure(packer, data, args.max_length)
+        if args.stream:
+            runs = stream_runs(data, args.max_length, [int(w) for w in args.windows.split(",")])
+        else:
+            runs = {packer: measure(packer, data, args.max_length) for packer in packers}
+        for packer, run in runs.items():
             print(f"{text:>6} {packer:>9}: {run['seconds']:7.1f} s  {run['peak_anon_gib']:+6.2f} GiB  "
                   f"{run['rows']:>9,} rows  efficiency {run['efficiency']:.2%}", flush=True)
-        for stale in folder.glob("cache-*.arrow"):
+        for stale in folder.glob("cache-*.arrow*"):
             stale.unlink()
-        results["sizes"].append(size)
-        write_results(args.out, results)  # after every size, so a long run keeps what it measured
-    print((args.out / "packing.md").read_text())
+        results["sizes"].append({**info, "runs": runs})
+        write_results(args.out, results, name)  # after every size, so a long run keeps what it measured
+    print((args.out / f"{name}.md").read_text())
 
 
 if __name__ == "__main__":

@@ -230,7 +230,7 @@ def make_steps(
 ) -> list[Step]:
     """The first ``count`` packed rows (in shuffled order) and their padded micro-batches."""
     from collators import PackedCollator, PaddedCollator
-    from collators.packing import best_fit_decreasing
+    from collators.planning import best_fit_decreasing
 
     rows = best_fit_decreasing([len(c["input_ids"]) for c in conversations], plan.row_tokens)
     # best-fit-decreasing opens rows longest conversations first: shuffle so that the warm-up

@@ -10,8 +10,10 @@ share of a packed batch), and offline defaults
 from .chat import tokenize_conversation, tokenize_dataset
 from .collate import PackedCollator, PaddedCollator
 from .data import load_default_dataset, load_default_tokenizer, load_messages_dataset
-from .packing import PackedIterableDataset, PackingStats, pack_dataset, pack_stream
+from .packing import pack_dataset
+from .planning import PackingStats
 from .sharding import shard_batch
+from .streaming import PackedIterableDataset, pack_stream
 
 __all__ = [
     "PackedCollator",

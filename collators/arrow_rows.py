@@ -2,16 +2,18 @@
 
 ``TokenColumn`` views the memory-mapped Arrow chunks in place (file-backed pages, not the process's memory),
 ``scan_tokens`` checks tokens and counts targets a block at a time, ``write_rows`` fills the packed rows with
-``datasets.Dataset.map`` over the plan into a fingerprinted cache. Memory grows with the number of
+``datasets.Dataset.map`` over the plan into a cache keyed by every input (``cache``). Memory grows with the number of
 conversations, never with the number of tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 
+from . import cache
 from .checks import check_tokens, targets_per_sequence
 from .columns import INPUT_IDS, LABELS, SEQ_LENGTHS
 
@@ -144,22 +146,26 @@ class _FillRows:
         return pa.table(columns)
 
 
-def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, fingerprint: str | None, max_length: int,
+def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, fingerprint: str, max_length: int,
                ignore_index: int, cache_file_name: str | None, num_proc: int | None, load_from_cache_file: bool | None):
     """The packed rows: ``plan``'s rows (``_conversation``, ``_offset``, ``seq_lengths``, then the columns carried to
     them) with ``input_ids`` and ``labels`` filled in from ``dataset``, written with ``datasets.Dataset.map``.
 
     Args:
         dataset (``datasets.Dataset``): the conversations, without an indices mapping; columns: its tokens, read.
-        plan (``pyarrow.Table``): one row per packed row. fingerprint (``str``, *optional*): the result's.
+        plan (``pyarrow.Table``): one row per packed row.
+        fingerprint (``str``): the key of every input the rows depend on: the result's fingerprint, the name of the
+            default cache file, and what a ``cache_file_name`` must have been written for to be reused.
         cache_file_name, num_proc, load_from_cache_file: as in ``pack_dataset``.
     """
     import datasets
     from datasets.fingerprint import generate_random_fingerprint, get_temporary_cache_files_directory
 
-    if cache_file_name is None and dataset.cache_files and fingerprint is not None:
-        # Beside the data set's own files, named as ``map`` names its cache; a temporary folder when caching is
-        # off, as ``datasets`` does.
+    if cache_file_name is not None and not cache.reusable(cache_file_name, fingerprint):
+        load_from_cache_file = False  # removed: written for other inputs
+    elif cache_file_name is None and dataset.cache_files:
+        # Beside the data set's own files, named by the key as ``map`` names its cache; a temporary folder when
+        # caching is off, as ``datasets`` does.
         enabled = datasets.is_caching_enabled()
         folder = os.path.dirname(dataset.cache_files[0]["filename"]) if enabled else None
         cache_file_name = os.path.join(folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow")
@@ -168,15 +174,44 @@ def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, finge
         return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
     rows = datasets.Dataset(datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint())
     batch_size = max(1, BATCH_TOKENS // max_length)
-    return rows.with_format("arrow").map(
-        fill,
-        batched=True,
-        batch_size=batch_size,
-        writer_batch_size=batch_size,
-        remove_columns=rows.column_names,
-        new_fingerprint=fingerprint or generate_random_fingerprint(),
-        cache_file_name=cache_file_name,
-        num_proc=num_proc,
-        load_from_cache_file=load_from_cache_file,
-        desc="Packing",
-    ).with_format(None)
+    with progress_unit(" rows"):
+        rows = rows.with_format("arrow").map(
+            fill,
+            batched=True,
+            batch_size=batch_size,
+            writer_batch_size=batch_size,
+            remove_columns=rows.column_names,
+            new_fingerprint=fingerprint,
+            cache_file_name=cache_file_name,
+            num_proc=num_proc,
+            load_from_cache_file=load_from_cache_file,
+            desc="Packing",
+        ).with_format(None)
+    if cache_file_name is not None and rows.cache_files:
+        cache.record(cache_file_name, fingerprint)
+    return rows
+
+
+@contextlib.contextmanager
+def progress_unit(unit: str):
+    """``datasets.Dataset.map``'s progress bar counting in ``unit`` (``" rows"``), not its fixed ``" examples"``:
+    packing maps over packed rows, tokenizing over conversations. Cosmetic: where ``datasets`` names its bar
+    otherwise, nothing changes."""
+    import datasets.arrow_dataset as arrow_dataset
+
+    original = getattr(arrow_dataset, "hf_tqdm", None)
+    if original is None:
+        yield
+        return
+
+    class Bar(original):
+        def __init__(self, *args, **kwargs):
+            if kwargs.get("unit") == " examples":
+                kwargs["unit"] = unit
+            super().__init__(*args, **kwargs)
+
+    arrow_dataset.hf_tqdm = Bar
+    try:
+        yield
+    finally:
+        arrow_dataset.hf_tqdm = original

@@ -7,10 +7,15 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from . import cache
+from .arrow_rows import progress_unit
 from .checks import positive_int
 from .columns import IGNORE_INDEX, INPUT_IDS, LABELS
 
 logger = logging.getLogger(__name__)
+
+# Part of every tokenize cache's key: bump it when the tokens or labels change for the same inputs.
+LABELS_VERSION = 1
 
 # ``{% generation %}`` / ``{%- generation -%}``: the template marks the assistant output itself.
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -106,9 +111,15 @@ def tokenize_dataset(
     messages_column: str = "messages",
     skip_no_assistant: bool = True,
     num_proc: int | None = None,
+    cache_file_name: str | None = None,
+    load_from_cache_file: bool | None = None,
     **kwargs,
 ):
     """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
+
+    The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
+    ``cache_file_name``), reused only if it was written for exactly these inputs: the data's fingerprint, the
+    tokenizer, its chat template, ``max_length``, the other options and the labelling's version.
 
     Args:
         dataset (``datasets.Dataset``): has a column of conversations in the ``messages`` format.
@@ -119,7 +130,12 @@ def tokenize_dataset(
         skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop (and count in a warning) or, with
             ``False``, refuse conversations without an assistant turn.
         num_proc (``int``, *optional*): processes for ``datasets.Dataset.map``.
-        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, template variables).
+        cache_file_name (``str``, *optional*): where to write the tokens (``datasets.Dataset.map``'s argument); a
+            file written for other inputs is written anew.
+        load_from_cache_file (``bool``, *optional*): reuse tokens written for the same inputs (default: unless
+            caching is disabled in ``datasets``).
+        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, ``ignore_index``, template
+            variables).
 
     Returns:
         ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``, other columns kept, one
@@ -137,9 +153,12 @@ def tokenize_dataset(
     >>> tokenized.num_rows, tokenized.column_names
     (1, ['input_ids', 'labels'])
     """
+    import datasets
+    from datasets.fingerprint import Hasher
+
     if max_length is not None:
         positive_int(max_length, "max_length")
-    if not hasattr(dataset, "column_names") or not hasattr(dataset, "map"):
+    if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
         raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
@@ -160,9 +179,19 @@ def tokenize_dataset(
             out[LABELS].append(example[LABELS] if example else [])
         return out
 
-    tokenized = dataset.map(
-        tokenize_batch, batched=True, remove_columns=[messages_column], num_proc=num_proc, desc="Tokenizing"
-    )
+    # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
+    template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
+    key = Hasher.hash((getattr(dataset, "_fingerprint", None), tokenizer, template, max_length, messages_column,
+                       skip_no_assistant, sorted(kwargs.items()), LABELS_VERSION))
+    if cache_file_name is not None and not cache.reusable(cache_file_name, key):
+        load_from_cache_file = False  # removed: written for other inputs
+    with progress_unit(" conversations"):
+        tokenized = dataset.map(
+            tokenize_batch, batched=True, remove_columns=[messages_column], num_proc=num_proc, desc="Tokenizing",
+            new_fingerprint=key, cache_file_name=cache_file_name, load_from_cache_file=load_from_cache_file,
+        )
+    if cache_file_name is not None:
+        cache.record(cache_file_name, key)
     kept = tokenized["_kept"]
     num_skipped = len(kept) - sum(kept)
     if num_skipped:

@@ -12,24 +12,31 @@ averages per conversation the same way for either batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from .checks import check_tokens, conversation_weight, positive_int, targets_per_sequence, token_array, weight_array
+from .checks import check_tokens, positive_int, targets_per_sequence, token_array
 from .columns import (
     ATTENTION_MASK, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, MAX_SEQLEN, NUM_SEQUENCES, POSITION_IDS,
-    SEQ_LENGTHS, SEQ_SOURCES, SEQ_TARGETS, SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN,
+    SEQ_LENGTHS, SEQUENCE_COLUMNS,
 )
 
 
-def _example(example, index: int, ignore_index: int):
-    """``(input_ids, labels, seq_lengths, seq_targets, seq_weights)`` of one example, checked.
+@dataclasses.dataclass
+class _Example:
+    """One example, checked: ``(L,)`` int64 tokens and labels, ``(S,)`` int64 sequence lengths, and its
+    ``example_values``."""
 
-    ``seq_targets`` and ``seq_weights`` are None when the example carries none; a single conversation's
-    ``weight`` becomes its one-element ``seq_weights``.
-    """
+    input_ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    values: dict
+
+
+def _example(example, index: int, ignore_index: int) -> _Example:
     name = f"examples[{index}]"
     if not isinstance(example, Mapping) or INPUT_IDS not in example:
         raise TypeError(f"`{name}` must be a dict with 'input_ids', got {type(example).__name__}.")
@@ -43,69 +50,67 @@ def _example(example, index: int, ignore_index: int):
             f"`{name}` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths {lengths.tolist()}: "
             "the lengths must be >= 0 and the three must agree."
         )
-    targets = example.get(SEQ_TARGETS)
-    if targets is not None:
-        targets = token_array(targets, f"{name}['seq_targets']")
-        if len(targets) != len(lengths) or (targets < 0).any():
-            raise ValueError(f"`{name}['seq_targets']` must hold one count >= 0 per sequence of `seq_lengths`.")
-    return input_ids, labels, lengths, targets, sequence_weights(example, index, len(lengths))
+    return _Example(input_ids, labels, lengths, example_values(example, index, len(lengths)))
 
 
-def sequence_weights(example, index: int, count: int) -> np.ndarray | None:
-    """The ``count`` sequences' weights of one example (``examples[index]``), checked: ``seq_weights`` (per
-    sequence, as ``pack_dataset`` writes them) or a conversation's ``weight``; None where it carries neither."""
-    name = f"examples[{index}]"
-    weights = example.get(SEQ_WEIGHTS)
-    if weights is not None:
-        weights = weight_array(weights, f"{name}['seq_weights']")
-        if len(weights) != count:
-            raise ValueError(f"`{name}['seq_weights']` must hold one weight per sequence of `seq_lengths`.")
-    elif example.get(WEIGHT_COLUMN) is not None:
-        if count != 1:
-            raise ValueError(f"`{name}` is a packed row: give its weights per sequence in 'seq_weights'.")
-        weights = np.array([conversation_weight(example[WEIGHT_COLUMN], f"{name}[{WEIGHT_COLUMN!r}]")])
-    return weights
+def example_values(example: Mapping, index: int, count: int) -> dict:
+    """Per ``SEQUENCE_COLUMNS`` key, the ``count`` sequences' values of ``examples[index]`` or None
+    (``SequenceColumn.of_example``)."""
+    return {column.key: column.of_example(example, index, count) for column in SEQUENCE_COLUMNS}
 
 
-def sequence_sources(example, index: int, count: int) -> list:
-    """The ``count`` sequences' sources of one example (``examples[index]``), checked: ``seq_sources`` (per
-    sequence, as ``pack_dataset`` writes them) or a conversation's ``source``; None for each where the
-    example names none."""
-    name = f"examples[{index}]"
-    sources = example.get(SEQ_SOURCES)
-    if sources is None:
-        source = example.get(SOURCE_COLUMN)
-        if source is not None and count != 1:
-            raise ValueError(f"`{name}` is a packed row: give its sources per sequence in 'seq_sources'.")
-        sources = [source] * count
-    elif len(sources) != count:
-        raise ValueError(f"`{name}['seq_sources']` must hold one source per sequence of `seq_lengths`.")
-    for source in sources:
-        if source is not None and not isinstance(source, str):
-            raise TypeError(f"`{name}` sources must be strings, got {type(source).__name__} {source!r}.")
-    return list(sources)
+def sequence_columns(values: Sequence[dict], counts: Sequence[int], own: np.ndarray | None = None) -> dict:
+    """Each ``SEQUENCE_COLUMNS`` key's values over a batch's sequences, for the columns the batch carries.
 
+    Args:
+        values: per example, its ``example_values``.
+        counts: per example, its number of sequences.
+        own: ``(S,)`` int64, each sequence's own target count; None: target counts are given by every example or
+            by none.
 
-def _sequence_targets(labels, lengths, given, ignore_index: int) -> np.ndarray:
-    """``seq_targets`` of a batch: given counts (whole conversations) where present, else each sequence's own.
-
-    ``given``: per example, an array aligned with its sequences or None. 1 for a sequence without targets; a
-    given count below the sequence's own is refused (a target would weigh more than its conversation's share).
+    Returns:
+        ``dict``: per key, ``(S,)`` array (columns with a ``dtype``) or list, following each column's ``absent``:
+        an absent target count is the sequence's own (a given one below it is refused: a target would weigh more
+        than its conversation's share) and every count is at least 1; values given by some examples only are
+        refused, or padded (sources, left out when none is given).
     """
-    own = targets_per_sequence(labels, lengths, ignore_index)
-    counts = own.copy()
-    start = 0
-    for index, (sizes, targets) in enumerate(given):
-        stop = start + sizes
-        if targets is not None:
-            if (targets < own[start:stop]).any():
-                raise ValueError(
-                    f"`examples[{index}]['seq_targets']` is {targets.tolist()}, below the sequences' own target "
-                    f"counts {own[start:stop].tolist()}: it must count the targets of each whole conversation."
-                )
-            counts[start:stop] = targets
-        start = stop
-    return np.maximum(counts, 1)
+    columns = {}
+    for column in SEQUENCE_COLUMNS:
+        given = [example[column.key] for example in values]
+        has = [part is not None for part in given]
+        if not any(has) and (column.absent != "count" or own is None):
+            continue
+        if not all(has) and (column.absent == "refuse" or (column.absent == "count" and own is None)):
+            index = has.index(not has[0])
+            raise ValueError(
+                f"`examples[{index}]` {'has' if has[index] else 'lacks'} {column.what}s, unlike `examples[0]`: give "
+                f"{column.what}s to every example of the batch or to none."
+            )
+        parts, start = [], 0
+        for index, (count, part) in enumerate(zip(counts, given)):
+            stop = start + count
+            if column.absent == "count" and own is not None:
+                if part is None:
+                    part = own[start:stop]
+                elif (part < own[start:stop]).any():
+                    raise ValueError(
+                        f"`examples[{index}][{column.key!r}]` is {part.tolist()}, below the sequences' own target "
+                        f"counts {own[start:stop].tolist()}: it must count the targets of each whole conversation."
+                    )
+            elif part is None:
+                part = column.padded([], count)
+            parts.append(part)
+            start = stop
+        if column.dtype is None:
+            parts = [value for part in parts for value in part]
+            if all(value is None for value in parts):
+                continue
+        else:
+            parts = np.concatenate(parts).astype(column.dtype)
+        if column.absent == "count":
+            parts = np.maximum(parts, 1)  # a sequence without targets: nothing to weigh, a finite divisor
+        columns[column.key] = parts
+    return columns
 
 
 class _Collator:
@@ -142,9 +147,10 @@ class PackedCollator(_Collator):
     - ``seq_targets`` ``(S,)`` int32: the target count of each sequence's whole conversation (given by the example
       for split pieces, else its own); 1 for a sequence without targets and for padding, so ``weight / seq_targets``
       never divides by 0.
-    - ``seq_weights`` ``(S,)`` float64, when examples carry ``seq_weights`` or ``weight``; 0 for padding. float64 keeps
-      weights outside float32's range (1e-46, 1e39).
-    - ``seq_sources`` (list of ``str`` or None), when examples carry ``seq_sources`` or ``source``; None for padding.
+    - every other column of ``collators.columns.SEQUENCE_COLUMNS`` the examples carry (per sequence, or one
+      conversation's data set column), its ``padding`` for padding: ``seq_weights`` ``(S,)`` float64 (from
+      ``seq_weights`` or ``weight``, in every example or none; 0 for padding), ``seq_sources`` (list of ``str`` or
+      None, from ``seq_sources`` or ``source``).
     - with ``return_varlen_kwargs``: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (``cu_seqlens``), ``max_length_q`` /
       ``max_length_k`` (``max_seqlen``) for flash attention.
 
@@ -209,30 +215,21 @@ class PackedCollator(_Collator):
         """Collate ``examples`` into one packed row.
 
         Each example: ``input_ids``, optionally ``labels`` (default: all trained), ``seq_lengths`` (default: one
-        sequence), ``seq_targets`` / ``seq_weights`` / ``seq_sources`` or one conversation's ``weight`` / ``source``
-        (weights in every example or none).
+        sequence), ``seq_targets`` / ``seq_weights`` / ``seq_sources`` or one conversation's ``weight`` / ``source``.
         """
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
         if not parts:
             raise ValueError("`examples` is empty.")
-        weighted = [weights is not None for *_, weights in parts]
-        if any(weighted) and not all(weighted):
-            raise ValueError(
-                f"`examples[{weighted.index(not weighted[0])}]` {'has' if weighted[0] is False else 'lacks'} "
-                "weights, unlike `examples[0]`: give a weight to every conversation of the batch or to none."
-            )
-        input_ids = np.concatenate([part[0] for part in parts])
-        labels = np.concatenate([part[1] for part in parts])
-        lengths = np.concatenate([part[2] for part in parts])
-        seq_targets = _sequence_targets(
-            labels, lengths, [(len(part[2]), part[3]) for part in parts], self.ignore_index
-        )
-        seq_weights = np.concatenate([part[4] for part in parts]) if all(weighted) else None
-        seq_sources = [s for index, (example, part) in enumerate(zip(examples, parts))
-                       for s in sequence_sources(example, index, len(part[2]))]
-        # Empty sequences have no token to carry a position or a boundary.
+        input_ids = np.concatenate([part.input_ids for part in parts])
+        labels = np.concatenate([part.labels for part in parts])
+        lengths = np.concatenate([part.lengths for part in parts])
+        own = targets_per_sequence(labels, lengths, self.ignore_index)
+        columns = sequence_columns([part.values for part in parts], [len(part.lengths) for part in parts], own)
+        # Empty sequences have no token to carry a position, a boundary or a value.
         nonempty = lengths > 0
-        lengths, seq_targets = lengths[nonempty], seq_targets[nonempty]
+        lengths = lengths[nonempty]
+        columns = {key: values[nonempty] if isinstance(values, np.ndarray) else
+                   [value for value, keep in zip(values, nonempty) if keep] for key, values in columns.items()}
         if lengths.size == 0:
             raise ValueError("`examples` holds no token.")
 
@@ -241,7 +238,8 @@ class PackedCollator(_Collator):
             input_ids = np.concatenate((input_ids, np.full(num_padding, self.pad_token_id, dtype=np.int64)))
             labels = np.concatenate((labels, np.full(num_padding, self.ignore_index, dtype=np.int64)))
             lengths = np.append(lengths, num_padding)
-            seq_targets = np.append(seq_targets, 1)  # no target: nothing to weigh, a finite divisor
+            columns = {column.key: column.padded(columns[column.key]) for column in SEQUENCE_COLUMNS
+                       if column.key in columns}
 
         cu_seqlens = np.concatenate(([0], np.cumsum(lengths)))
         starts = cu_seqlens[:-1]
@@ -258,14 +256,8 @@ class PackedCollator(_Collator):
             CU_SEQLENS: cu_seqlens,
             MAX_SEQLEN: max_seqlen,
             NUM_SEQUENCES: int(has_target.sum()),
-            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
-        if seq_weights is not None:
-            seq_weights = np.append(seq_weights[nonempty], [0.0] * bool(num_padding))
-            batch[SEQ_WEIGHTS] = torch.from_numpy(seq_weights)  # float64, see the docstring
-        if any(source is not None for source in seq_sources):
-            kept = [source for source, keep in zip(seq_sources, nonempty) if keep]
-            batch[SEQ_SOURCES] = kept + [None] * bool(num_padding)
+        batch.update(_as_batch(columns))
         if self.return_varlen_kwargs:
             batch.update(
                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
@@ -316,43 +308,35 @@ class PaddedCollator(_Collator):
         parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
         if not parts:
             raise ValueError("`examples` is empty.")
-        for row, (_, _, lengths, _, _) in enumerate(parts):
-            if len(lengths) > 1:
+        for row, part in enumerate(parts):
+            if len(part.lengths) > 1:
                 raise ValueError(
                     f"`examples[{row}]` is a packed row; PaddedCollator takes one conversation per example."
                 )
-        weighted = [weights is not None for *_, weights in parts]
-        if any(weighted) and not all(weighted):
-            raise ValueError(
-                f"`examples[{weighted.index(not weighted[0])}]` {'has' if weighted[0] is False else 'lacks'} "
-                "a weight, unlike `examples[0]`: give a weight to every conversation of the batch or to none."
-            )
-        lengths = [len(input_ids) for input_ids, *_ in parts]
-        width = max(lengths)
+        width = max(len(part.input_ids) for part in parts)
         if self.pad_to_multiple_of:
             width += -width % self.pad_to_multiple_of
         input_ids = np.full((len(parts), width), self.pad_token_id, dtype=np.int64)
         labels = np.full((len(parts), width), self.ignore_index, dtype=np.int64)
         attention_mask = np.zeros((len(parts), width), dtype=np.int64)
-        for row, (row_ids, row_labels, _, _, _) in enumerate(parts):
-            length = len(row_ids)
-            input_ids[row, :length] = row_ids
-            labels[row, 1:length] = row_labels[1:]
+        for row, part in enumerate(parts):
+            length = len(part.input_ids)
+            input_ids[row, :length] = part.input_ids
+            labels[row, 1:length] = part.labels[1:]
             attention_mask[row, :length] = 1
-        seq_targets = _sequence_targets(
-            labels.reshape(-1), np.full(len(parts), width), [(1, part[3]) for part in parts], self.ignore_index
-        )
+        own = targets_per_sequence(labels.reshape(-1), np.full(len(parts), width), self.ignore_index)
         batch = {
             INPUT_IDS: torch.from_numpy(input_ids),
             ATTENTION_MASK: torch.from_numpy(attention_mask),
             LABELS: torch.from_numpy(labels),
             CU_SEQLENS: torch.arange(len(parts) + 1, dtype=torch.int32) * width,
             NUM_SEQUENCES: int((labels != self.ignore_index).any(axis=1).sum()),
-            SEQ_TARGETS: torch.from_numpy(seq_targets.astype(np.int32)),
         }
-        if all(weighted):
-            batch[SEQ_WEIGHTS] = torch.from_numpy(np.concatenate([part[4] for part in parts]))
-        seq_sources = [s for index, example in enumerate(examples) for s in sequence_sources(example, index, 1)]
-        if any(source is not None for source in seq_sources):
-            batch[SEQ_SOURCES] = seq_sources
+        batch.update(_as_batch(sequence_columns([part.values for part in parts], [1] * len(parts), own)))
         return batch
+
+
+def _as_batch(columns: dict) -> dict:
+    """``sequence_columns``' values as a batch holds them: tensors of the column's ``dtype``, or lists."""
+    return {key: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+            for key, values in columns.items()}

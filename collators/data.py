@@ -126,12 +126,11 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
 def load_messages_dataset(
     name_or_path: str | os.PathLike, *, split: str = "train", messages_column: str = "messages", **kwargs
 ):
-    """A data set in the ``messages`` format, from a local JSON/JSONL file or folder, or a hub name.
-
+    """A data set in the ``messages`` format, from a local file or folder (``read_dataset``) or a hub name.
 
     Args:
-        name_or_path (``str`` or ``os.PathLike``): a ``.json`` / ``.jsonl`` file of ``{"messages": [...]}`` records, a
-            local folder, or a hub name (a local-looking path is never sent to the hub).
+        name_or_path (``str`` or ``os.PathLike``): a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file, a folder
+            of them or written by ``save_to_disk``, or a hub name (a local-looking path is never sent to the hub).
         split (``str``, *optional*, defaults to ``"train"``): the split to load.
         messages_column (``str``, *optional*, defaults to ``"messages"``): renamed to ``messages``.
         **kwargs: passed to ``datasets.load_dataset``.
@@ -141,7 +140,7 @@ def load_messages_dataset(
 
     Raises:
         ``FileNotFoundError``: a local path that does not exist.
-        ``ValueError``: empty, a malformed JSON line (named), not ``.json`` / ``.jsonl``, no ``messages_column``.
+        ``ValueError``: empty, a malformed JSON line (named), a file of another format, no ``messages_column``.
 
     Example:
 
@@ -153,24 +152,7 @@ def load_messages_dataset(
     >>> load_messages_dataset(f.name)[0]["messages"][1]
     {'role': 'assistant', 'content': 'Hello'}
     """
-    import datasets
-
-    path = local_path(name_or_path, "name_or_path")
-    if path is None:
-        dataset = datasets.load_dataset(str(name_or_path), split=split, **kwargs)
-    elif path.is_dir():
-        dataset = datasets.load_dataset(str(path), split=split, **kwargs)
-    elif path.suffix not in (".json", ".jsonl"):
-        raise ValueError(f"`name_or_path` {str(path)!r} is not a .json or .jsonl file (nor a folder).")
-    elif not path.read_text(encoding="utf-8").strip():
-        raise ValueError(f"`name_or_path` {str(path)!r} is empty: it holds no conversation.")
-    else:
-        try:
-            dataset = datasets.load_dataset("json", data_files=str(path), split=split, **kwargs)
-        except Exception as error:
-            _raise_json_error(path, error)
-    if dataset.num_rows == 0:
-        raise ValueError(f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty).")
+    dataset = read_dataset(name_or_path, split=split, **kwargs)
     if messages_column not in dataset.column_names:
         raise ValueError(
             f"`name_or_path` {str(name_or_path)!r} has no column {messages_column!r}; "
@@ -179,6 +161,96 @@ def load_messages_dataset(
     if messages_column != "messages":
         dataset = dataset.rename_column(messages_column, "messages")
     return dataset
+
+
+# The data files read locally, by suffix: the ``datasets`` builder of each.
+DATA_FILES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+_FORMATS = ".json, .jsonl, .parquet or .arrow"
+
+
+def read_dataset(name_or_path: str | os.PathLike, *, split: str = "train", **kwargs):
+    """A ``datasets.Dataset`` of at least one row from a local file or folder, or a hub name, whatever it holds.
+
+    Local: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file (Arrow: the stream format of ``datasets``' own
+    files, memory-mapped, or the IPC file format), a folder written by ``save_to_disk`` (a ``DatasetDict``: its
+    ``split``), or a folder of data files of one format (``datasets.load_dataset``, which takes splits from the file
+    names).
+
+    Args:
+        name_or_path (``str`` or ``os.PathLike``): the file, folder or hub name.
+        split (``str``, *optional*, defaults to ``"train"``): the split to load.
+        **kwargs: passed to ``datasets.load_dataset``.
+
+    Raises:
+        ``FileNotFoundError``: a local path that does not exist.
+        ``ValueError`` naming ``name_or_path``: empty, a malformed file (a JSON line named), a file of another format,
+            a folder of no data file or of several formats, a missing split.
+    """
+    import datasets
+
+    path = local_path(name_or_path, "name_or_path")
+    if path is None:
+        dataset = datasets.load_dataset(str(name_or_path), split=split, **kwargs)
+    elif path.is_dir():
+        dataset = _read_folder(path, split, **kwargs)
+    else:
+        dataset = _read_file(path, split, **kwargs)
+    if dataset.num_rows == 0:
+        raise ValueError(f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty).")
+    return dataset
+
+
+def _read_file(path: Path, split: str, **kwargs):
+    import datasets
+    import pyarrow as pa
+
+    builder = DATA_FILES.get(path.suffix)
+    if builder is None:
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} is not a {_FORMATS} file (nor a folder of them, or a data set saved with "
+            "save_to_disk)."
+        )
+    size = path.stat().st_size
+    if size == 0 or (builder == "json" and size < 4096 and not path.read_text(encoding="utf-8").strip()):
+        raise ValueError(f"`name_or_path` {str(path)!r} is empty: it holds no conversation.")
+    try:
+        if builder == "arrow":
+            try:  # datasets' own format, memory-mapped in place
+                return datasets.Dataset.from_file(str(path))
+            except pa.ArrowInvalid:  # the IPC file format (Feather v2)
+                pass
+        return datasets.load_dataset(builder, data_files=str(path), split=split, **kwargs)
+    except Exception as error:
+        if builder == "json":
+            _raise_json_error(path, error)
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as {builder.title()}: {cause}") from error
+
+
+def _read_folder(path: Path, split: str, **kwargs):
+    import datasets
+
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        saved = datasets.load_from_disk(str(path))
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise ValueError(f"`name_or_path` {str(path)!r} has no split {split!r}; its splits are {list(saved)}.")
+            saved = saved[split]
+        return saved
+    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.suffix in DATA_FILES
+             and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+    formats = sorted({DATA_FILES[f.suffix] for f in files})
+    if not files:
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} holds no {_FORMATS} file, nor a data set saved with save_to_disk."
+        )
+    if len(formats) > 1:
+        raise ValueError(f"`name_or_path` {str(path)!r} mixes {' and '.join(formats)} files: keep one format.")
+    try:
+        return datasets.load_dataset(str(path), split=split, **kwargs)
+    except Exception as error:
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded: {cause}") from error
 
 
 # Data and model files that a hub name never ends with.

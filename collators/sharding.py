@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from .checks import positive_int, targets_per_sequence
 from .columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_Q, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQ_SOURCES,
-    SEQ_TARGETS, SEQ_WEIGHTS, SHARD, SHIFT_LABELS,
+    ATTENTION_MASK, CU_SEQ_LENS_Q, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQUENCE_COLUMNS, SHARD,
+    SHIFT_LABELS,
 )
 
 
@@ -73,9 +73,9 @@ def balanced_chunks(lengths: np.ndarray, num_tokens: int, world_size: int) -> np
     >>> balanced_chunks(np.array([8]), 8, 2)  # one conversation: the zig-zag
     array([[0, 3],
            [1, 2]])
-    >>> balanced_chunks(np.array([4, 4]), 8, 2)  # two: a chunk of each
-    array([[0, 3],
-           [1, 2]])
+    >>> balanced_chunks(np.array([4, 4]), 8, 2)  # two alike: one each
+    array([[0, 1],
+           [2, 3]])
     """
     per_rank = num_tokens // world_size
     count = _chunks_per_rank(per_rank)
@@ -108,11 +108,11 @@ def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.reshape(-1)
 
 
-def _row_checksum(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> int:
+def _row_checksum(input_ids: torch.Tensor, bounds: np.ndarray) -> int:
     """63 bits of a hash of the row's tokens and boundaries (one copy of the row to the host)."""
     digest = hashlib.blake2b(digest_size=8)
-    for tensor in (input_ids, cu_seqlens):
-        digest.update(tensor.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    digest.update(input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    digest.update(bounds.astype(np.int64).tobytes())
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
@@ -140,8 +140,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         - ``shift_labels`` ``(1, L)`` int64: each local token's target.
         - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
-        - ``seq_weights`` ``(S_local,)`` float64: each segment's conversation weight, when ``batch`` has them.
-        - ``seq_sources`` (list of ``S_local``): each segment's conversation source, when ``batch`` has them.
+        - every other key of ``collators.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights`` ``(S_local,)``
+          float64, ``seq_sources`` a list): each segment's value, its sequence's.
         - ``context_parallel_shard`` (``ShardRecord``): the rank, world size, row and chunks it was cut for, which
           the model's forward checks and lays out (``enable_context_parallel``).
 
@@ -151,11 +151,13 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     >>> from collators import PackedCollator, shard_batch
     >>> batch = PackedCollator()([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5]},
     ...                           {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]}])
-    >>> shard = shard_batch(batch, rank=0, world_size=2)  # chunks 0 and 3 of [1 2][3 4][5 6][7 8]
+    >>> shard = shard_batch(batch, rank=1, world_size=2)  # chunks 2 and 3 of [1 2][3 4][5 6][7 8]
     >>> shard["input_ids"], shard["shift_labels"]
-    (tensor([[1, 2, 7, 8]]), tensor([[   2,    3,    8, -100]]))
+    (tensor([[5, 6, 7, 8]]), tensor([[-100,    7,    8, -100]]))
     >>> shard["cu_seqlens"], shard["seq_targets"]
-    (tensor([0, 2, 4], dtype=torch.int32), tensor([4, 2], dtype=torch.int32))
+    (tensor([0, 1, 2, 4], dtype=torch.int32), tensor([4, 2, 2], dtype=torch.int32))
+    >>> shard["context_parallel_shard"].chunks  # attention work 3 + 7 against 6 + 5
+    ((0, 1), (2, 3))
     """
     world_size = positive_int(world_size, "world_size")
     rank = positive_int(rank, "rank", minimum=0)
@@ -176,83 +178,77 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     cu_seqlens = batch[CU_SEQLENS]
     if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
         raise ValueError(f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}.")
-    cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
-    if (
-        cu_seqlens.numel() < 2
-        or cu_seqlens[0] != 0
-        or cu_seqlens[-1] != num_tokens
-        or (cu_seqlens.diff() < 0).any()
-    ):
+    # Every index is computed on the host from one copy of the boundaries: one wait for a device's queued work,
+    # not one per check; the device only gathers.
+    bounds = cu_seqlens.detach().to("cpu", torch.int64).numpy()
+    if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != num_tokens or (np.diff(bounds) < 0).any():
         raise ValueError(
-            f"`batch['cu_seqlens']` must rise from 0 to T={num_tokens} without decreasing, got {cu_seqlens.tolist()}."
+            f"`batch['cu_seqlens']` must rise from 0 to T={num_tokens} without decreasing, got {bounds.tolist()}."
         )
-    num_sequences = cu_seqlens.numel() - 1
-    lengths = cu_seqlens.diff()
+    num_sequences = bounds.size - 1
+    lengths = np.diff(bounds)
     num_chunks = 2 * world_size
     if num_tokens % num_chunks:
         raise ValueError(
             f"`batch` has T={num_tokens} tokens, not a multiple of 2 * world_size = {num_chunks}: collate with "
             f"PackedCollator(pad_to_multiple_of={num_chunks})."
         )
-
+    device = input_ids.device
     position_ids = batch.get(POSITION_IDS)
     if position_ids is None:
-        starts = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-        position_ids = (torch.arange(num_tokens, device=input_ids.device) - starts)[None]
+        position_ids = torch.from_numpy(np.arange(num_tokens) - np.repeat(bounds[:-1], lengths))[None].to(device)
     elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
         raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
-    seq_targets = batch.get(SEQ_TARGETS)
-    if seq_targets is None:
-        # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
-        own = targets_per_sequence(labels[0].cpu().numpy(), lengths.cpu().numpy(), ignore_index)
-        seq_targets = torch.from_numpy(np.maximum(own, 1))
-    per_sequence = {SEQ_TARGETS: seq_targets}
-    if batch.get(SEQ_WEIGHTS) is not None:
-        per_sequence[SEQ_WEIGHTS] = batch[SEQ_WEIGHTS]
-    for name, values in per_sequence.items():
-        if not torch.is_tensor(values) or values.shape != (num_sequences,):
+    per_sequence = {}  # column -> its checked values on the host
+    for column in SEQUENCE_COLUMNS:
+        values = batch.get(column.key)
+        if values is None and column.absent == "count":
+            # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
+            values = np.maximum(targets_per_sequence(labels[0].cpu().numpy(), lengths, ignore_index), 1)
+        elif values is None:
+            continue
+        elif column.dtype is not None and (not torch.is_tensor(values) or values.shape != (num_sequences,)):
             raise ValueError(
-                f"`batch['{name}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
+                f"`batch['{column.key}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
             )
-    if (per_sequence[SEQ_TARGETS] < 1).any():
-        raise ValueError("`batch['seq_targets']` must be >= 1 (PackedCollator gives 1 to a sequence without targets).")
-    weights = per_sequence.get(SEQ_WEIGHTS)
-    if weights is not None and not (weights.isfinite() & (weights >= 0)).all():
-        raise ValueError("`batch['seq_weights']` must be finite and >= 0.")
+        values = column.values(values, f"batch['{column.key}']")
+        if len(values) != num_sequences:
+            raise ValueError(f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got {len(values)}.")
+        if column.absent == "count" and (values < 1).any():
+            raise ValueError(
+                f"`batch['{column.key}']` must be >= 1 (PackedCollator gives 1 to a sequence without targets)."
+            )
+        per_sequence[column] = values
 
+    chunks = balanced_chunks(lengths, num_tokens, world_size)
+    size = num_tokens // chunks.size
+    local = (chunks[rank][:, None] * size + np.arange(size)).reshape(-1)
+    # Local segments: each chunk's first token, plus every sequence start inside a chunk.
+    row_starts = np.zeros(num_tokens + 1, dtype=bool)
+    row_starts[bounds] = True
+    local_starts = np.flatnonzero(row_starts[local] | (np.arange(local.size) % size == 0))
+    # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
+    sequence_of = np.searchsorted(bounds, local[local_starts], side="right") - 1
     # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
     shift_labels = torch.full_like(labels[0], ignore_index)
     shift_labels[:-1] = labels[0, 1:]
-    shift_labels[cu_seqlens[1:][lengths > 0] - 1] = ignore_index
-
-    device = input_ids.device
-    chunks = balanced_chunks(lengths.cpu().numpy(), num_tokens, world_size)
-    size = num_tokens // chunks.size
-    local = (torch.from_numpy(chunks[rank] * size).to(device)[:, None] + torch.arange(size, device=device)).reshape(-1)
-    # Local segments: each chunk's first token, plus every sequence start inside a chunk.
-    row_starts = torch.zeros(num_tokens + 1, dtype=torch.bool, device=device)
-    row_starts[cu_seqlens] = True
-    local_starts = (row_starts[local] | (torch.arange(local.numel(), device=device) % size == 0)).nonzero().flatten()
-    # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
-    sequence_of = torch.searchsorted(cu_seqlens, local[local_starts], right=True) - 1
+    shift_labels[torch.from_numpy(bounds[1:][lengths > 0] - 1).to(device)] = ignore_index
+    index = torch.from_numpy(local).to(device)
     shard = {
-        INPUT_IDS: input_ids[:, local],
-        LABELS: labels[:, local],
-        POSITION_IDS: position_ids[:, local],
-        SHIFT_LABELS: shift_labels[local][None],
-        CU_SEQLENS: F.pad(local_starts, (0, 1), value=local.numel()).to(torch.int32),
-        SEQ_TARGETS: per_sequence[SEQ_TARGETS].to(device)[sequence_of].to(torch.int32),
+        INPUT_IDS: input_ids[:, index],
+        LABELS: labels[:, index],
+        POSITION_IDS: position_ids[:, index],
+        SHIFT_LABELS: shift_labels[index][None],
+        CU_SEQLENS: torch.from_numpy(np.append(local_starts, local.size).astype(np.int32)).to(device),
         SHARD: ShardRecord(
-            rank, world_size, num_tokens, _row_checksum(input_ids, cu_seqlens), tuple(map(tuple, chunks.tolist()))
+            rank, world_size, num_tokens, _row_checksum(input_ids, bounds), tuple(map(tuple, chunks.tolist()))
         ),
     }
-    if SEQ_WEIGHTS in per_sequence:
-        shard[SEQ_WEIGHTS] = per_sequence[SEQ_WEIGHTS].to(input_ids.device)[sequence_of].to(torch.float64)
-    sources = batch.get(SEQ_SOURCES)
-    if sources is not None:
-        if len(sources) != num_sequences:
-            raise ValueError(f"`batch['seq_sources']` must list S = {num_sequences} sources, got {len(sources)}.")
-        shard[SEQ_SOURCES] = [sources[index] for index in sequence_of.tolist()]
+    for column, values in per_sequence.items():
+        if column.dtype is None:
+            shard[column.key] = [values[index] for index in sequence_of.tolist()]
+        else:
+            shard[column.key] = torch.from_numpy(np.asarray(values, dtype=column.dtype)[sequence_of]).to(device)
     return shard
 
 
@@ -290,17 +286,12 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
     cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
     padding = -length % (2 * world_size)
     row = {INPUT_IDS: input_ids, LABELS: labels, CU_SEQLENS: cu_seqlens}
-    row.update((key, batch[key]) for key in (SEQ_TARGETS, SEQ_WEIGHTS, SEQ_SOURCES) if batch.get(key) is not None)
+    row.update((c.key, batch[c.key]) for c in SEQUENCE_COLUMNS if batch.get(c.key) is not None)
     if padding:
         row[INPUT_IDS] = F.pad(input_ids, (0, padding), value=0)
         row[LABELS] = F.pad(labels, (0, padding), value=ignore_index)
         row[CU_SEQLENS] = torch.cat((cu_seqlens, cu_seqlens.new_tensor([length + padding])))
-        if SEQ_TARGETS in row:
-            row[SEQ_TARGETS] = torch.cat((row[SEQ_TARGETS], row[SEQ_TARGETS].new_ones(1)))
-        if SEQ_WEIGHTS in row:
-            row[SEQ_WEIGHTS] = torch.cat((row[SEQ_WEIGHTS], row[SEQ_WEIGHTS].new_zeros(1)))
-        if SEQ_SOURCES in row:
-            row[SEQ_SOURCES] = list(row[SEQ_SOURCES]) + [None]
+        row.update((c.key, c.padded(row[c.key])) for c in SEQUENCE_COLUMNS if c.key in row)
     return shard_batch(row, rank, world_size, ignore_index=ignore_index)
 
 

@@ -8,9 +8,15 @@ import sys
 from collections.abc import Sequence
 
 DATA_HELP = (
-    "conversations in the messages format: a hub data set name or a local .json/.jsonl file "
-    "with a 'messages' column (default: the English chatterbot-corpus dialogues shipped with "
-    "the chatterbot-corpus package, no network needed)"
+    "conversations in the messages format (a 'messages' column): a hub data set name, a local "
+    ".json/.jsonl/.parquet/.arrow file, a folder of such files or a folder written by "
+    "save_to_disk (default: the English chatterbot-corpus dialogues shipped with the "
+    "chatterbot-corpus package, no network needed)"
+)
+PACK_DATA_HELP = DATA_HELP.replace(
+    "conversations in the messages format (a 'messages' column)",
+    "conversations in the messages format (a 'messages' column) or already tokenized "
+    "('input_ids' and 'labels', e.g. of collators.tokenize_dataset; then no --tokenizer)",
 )
 TOKENIZER_HELP = (
     "a tokenizer with a chat template: hub name or local folder (default: the offline ChatML "
@@ -19,7 +25,11 @@ TOKENIZER_HELP = (
 
 
 # The library's names of the arguments the flags set, for its error messages.
-LIBRARY_NAMES = {"`max_length`": "`--max-length`", "`overflow`": "`--overflow`"}
+LIBRARY_NAMES = {
+    "`max_length`": "`--max-length`",
+    "`overflow`": "`--overflow`",
+    "`dataset`": "`--dataset`",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,9 +54,11 @@ def _positive(kind):
     return parse
 
 
-def _add_data_arguments(command: argparse.ArgumentParser, max_length: int) -> None:
+def _add_data_arguments(
+    command: argparse.ArgumentParser, max_length: int, data_help: str = DATA_HELP
+) -> None:
     """--dataset, --tokenizer and --max-length: what both commands tokenize and pack."""
-    command.add_argument("--dataset", default=None, help=DATA_HELP)
+    command.add_argument("--dataset", default=None, help=data_help)
     command.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     command.add_argument(
         "--max-length",
@@ -121,13 +133,21 @@ def build_parser() -> argparse.ArgumentParser:
         "pack",
         help="tokenize and pack a data set to disk, print the packing statistics",
         description="Tokenize conversations with the tokenizer's chat template (assistant turns "
-        "trained), pack them with best-fit-decreasing into rows of --max-length tokens, save the "
+        "trained; skipped for tokenized data), pack them with best-fit-decreasing into rows of "
+        "--max-length tokens, save the "
         "rows (input_ids, labels, seq_lengths; a weight and a source column as seq_weights and "
         "seq_sources, any other column as seq_<name>, one value per sequence) with "
         "datasets.Dataset.save_to_disk and print the packing statistics. Load the result with "
         "datasets.load_from_disk and collate it with collators.PackedCollator.",
     )
-    _add_data_arguments(pack, max_length=4096)
+    _add_data_arguments(pack, max_length=4096, data_help=PACK_DATA_HELP)
+    pack.add_argument(
+        "--num-proc",
+        type=_positive(int),
+        default=None,
+        help="processes that tokenize the conversations, write the packed rows and save them "
+        "(default: one)",
+    )
     pack.add_argument(
         "--overflow",
         default="truncate",
@@ -195,6 +215,7 @@ def _run(args) -> int:
         max_length=args.max_length,
         output=args.output,
         overflow=args.overflow,
+        num_proc=args.num_proc,
     )
     if args.json:
         print(json.dumps(stats, indent=2))

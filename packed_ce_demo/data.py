@@ -12,8 +12,8 @@ from typing import Any
 
 # What to pass instead of a hub name that cannot be loaded offline, per command-line flag.
 LOCAL_HINTS = {
-    "--dataset": "a local .json/.jsonl file with a 'messages' column (--dataset ./chats.jsonl), or "
-    "no --dataset for the offline default corpus",
+    "--dataset": "a local file or folder (--dataset ./chats.jsonl; .json, .jsonl, .parquet, "
+    ".arrow or a save_to_disk folder), or no --dataset for the offline default corpus",
     "--tokenizer": "a local tokenizer folder (--tokenizer ./my-tokenizer, as saved by "
     "save_pretrained), or no --tokenizer for the offline default",
     "--model-config": "a local JSON file of configuration fields (--model-config ./model.json), "
@@ -88,8 +88,6 @@ def load_data(dataset: str | None, tokenizer: str | None):
     Raises:
         ValueError naming ``--dataset`` or ``--tokenizer`` (:func:`naming_flag`).
     """
-    from transformers import AutoTokenizer
-
     import collators
 
     with naming_flag("--dataset", dataset):
@@ -98,16 +96,31 @@ def load_data(dataset: str | None, tokenizer: str | None):
             if dataset is None
             else collators.load_messages_dataset(dataset)
         )
+    return messages, load_tokenizer(tokenizer)
+
+
+def load_tokenizer(tokenizer: str | None):
+    """The tokenizer of ``--tokenizer`` (None: the default); ValueError naming the flag."""
+    from transformers import AutoTokenizer
+
+    import collators
+
     with naming_flag("--tokenizer", tokenizer):
         if tokenizer is None:
-            tok = collators.load_default_tokenizer()
-        else:
-            tok = AutoTokenizer.from_pretrained(tokenizer)
-    return messages, tok
+            return collators.load_default_tokenizer()
+        return AutoTokenizer.from_pretrained(tokenizer)
 
 
-def pack(messages, tokenizer, max_length: int, *, overflow: str = "truncate"):
-    """Tokenizes and packs conversations into rows of ``max_length`` tokens.
+def pack(
+    conversations,
+    tokenizer,
+    max_length: int,
+    *,
+    overflow: str = "truncate",
+    num_proc: int | None = None,
+):
+    """Tokenizes (unless ``tokenizer`` is None: the conversations are already tokenized) and packs
+    conversations into rows of ``max_length`` tokens, with ``num_proc`` processes.
 
     Returns:
         ``(packed, stats)``: the packed rows (``datasets.Dataset`` with ``input_ids``, ``labels``,
@@ -115,8 +128,51 @@ def pack(messages, tokenizer, max_length: int, *, overflow: str = "truncate"):
     """
     import collators
 
-    tokenized = collators.tokenize_dataset(messages, tokenizer)
-    return collators.pack_dataset(tokenized, max_length, overflow=overflow, return_stats=True)
+    tokens = conversations
+    if tokenizer is not None:
+        tokens = collators.tokenize_dataset(conversations, tokenizer, num_proc=num_proc)
+    return collators.pack_dataset(
+        tokens, max_length, overflow=overflow, return_stats=True, num_proc=num_proc
+    )
+
+
+def load_conversations(dataset: str | None):
+    """The data set of ``--dataset`` for ``packed-ce pack``: conversations in the ``messages``
+    format or already tokenized (``input_ids`` and ``labels``), from any file or folder that
+    :func:`collators.data.read_dataset` reads (None: the default corpus).
+
+    Returns:
+        ``(dataset, tokenized)``: the ``datasets.Dataset`` and whether it is tokenized.
+
+    Raises:
+        ValueError naming ``--dataset``: unreadable, empty, or neither messages nor tokens.
+    """
+    import collators
+    from collators.columns import INPUT_IDS, LABELS
+    from collators.data import read_dataset
+
+    with naming_flag("--dataset", dataset):
+        if dataset is None:
+            return collators.load_default_dataset(), False
+        data = read_dataset(dataset)
+        columns = data.column_names
+        tokens = [name for name in (INPUT_IDS, LABELS) if name in columns]
+        if tokens and "messages" in columns:
+            raise ValueError(
+                f"`name_or_path` {dataset!r} has both 'messages' and {tokens}: keep the "
+                "conversations or their tokens"
+            )
+        if not tokens and "messages" not in columns:
+            raise ValueError(
+                f"`name_or_path` {dataset!r} has neither a 'messages' column nor 'input_ids' and "
+                f"'labels' (tokenized conversations); its columns are {columns}"
+            )
+        if len(tokens) == 1:
+            missing = LABELS if tokens == [INPUT_IDS] else INPUT_IDS
+            raise ValueError(
+                f"`name_or_path` {dataset!r} has {tokens[0]!r} but no {missing!r} column"
+            )
+    return data, bool(tokens)
 
 
 def split_rows(rows: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, list[int]]]:
@@ -158,14 +214,28 @@ def pack_to_disk(
     max_length: int,
     output: str | Path,
     overflow: str = "truncate",
+    num_proc: int | None = None,
 ) -> dict[str, Any]:
-    """Tokenizes and packs a data set and saves it with ``datasets.Dataset.save_to_disk``.
+    """Tokenizes (unless the data are tokenized) and packs a data set and saves it with
+    ``datasets.Dataset.save_to_disk``, with ``num_proc`` processes.
 
     Returns:
         The packing statistics (the fields of ``collators.PackingStats`` and ``efficiency``) and
         the output path, as a dict.
+
+    Raises:
+        ValueError naming ``--dataset`` or ``--tokenizer`` (a tokenizer given for tokenized data).
     """
-    messages, tok = load_data(dataset, tokenizer)
-    packed, stats = pack(messages, tok, max_length, overflow=overflow)
-    packed.save_to_disk(str(output))
+    from collators.arrow_rows import progress_unit
+
+    conversations, tokenized = load_conversations(dataset)
+    if tokenized and tokenizer is not None:
+        raise ValueError(
+            f"`--tokenizer` {tokenizer!r} is not used: `--dataset` is already tokenized "
+            "('input_ids', 'labels'); leave --tokenizer out"
+        )
+    tok = None if tokenized else load_tokenizer(tokenizer)
+    packed, stats = pack(conversations, tok, max_length, overflow=overflow, num_proc=num_proc)
+    with progress_unit(" rows"):
+        packed.save_to_disk(str(output), num_proc=num_proc)
     return {**asdict(stats), "efficiency": stats.efficiency, "output": str(output)}

@@ -62,16 +62,16 @@ def reference_pack(conversations, max_length: int, overflow: str, ignore_index: 
     import numpy as np
 
     from collators.checks import targets_per_sequence
-    from collators.packing import PackingStats, _cut_to_capacity, _plan_rows
+    from collators.planning import PackingStats, cut_to_capacity, plan_rows
 
     lengths = np.array([len(c["input_ids"]) for c in conversations], dtype=np.int64)
     labels = np.array([t for c in conversations for t in c["labels"]], dtype=np.int64)
     stats = PackingStats(max_length=max_length)
-    kept = _cut_to_capacity(lengths, max_length, overflow, stats)
+    kept = cut_to_capacity(lengths, max_length, overflow, stats)
     targets = targets_per_sequence(labels, lengths, ignore_index, counted=kept)
     stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
     split = overflow == "split"
-    plan = _plan_rows(kept, max_length, split, stats)
+    plan = plan_rows(kept, max_length, split, stats)
     carried = {"weight": "seq_weights", "source": "seq_sources"}
     others = [k for k in (conversations[0] if conversations else {}) if k not in ("input_ids", "labels")]
     names = ["input_ids", "labels", "seq_lengths"] + ["seq_targets"] * split

@@ -47,3 +47,17 @@ def test_peak_memory_does_not_grow_with_the_tokens(results):
         (results / "packing.json").read_text())["sizes"])
     assert small < 0.2 and large < 0.2
     assert large - small < 0.1
+
+
+def test_stream_mode_measures_each_window(tmp_path):
+    """`--stream`: the whole-data-set packer and the stream at each window on the same file; a larger window packs
+    at least as tightly, and no window beats the whole data set."""
+    done = run_script("bench_packing.py", "--stream", "--sizes", "1M", "--windows", "64,0", "--data-dir",
+                      str(tmp_path / "data"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    [size] = json.loads((tmp_path / "out" / "streaming_packing.json").read_text())["sizes"]
+    runs = size["runs"]
+    assert list(runs) == ["packed_ce", "packed_ce_stream window 64", "packed_ce_stream window default"]
+    rows = [run["rows"] for run in runs.values()]
+    assert rows[0] <= rows[2] <= rows[1]
+    assert all(run["tokens"] == runs["packed_ce"]["tokens"] for run in runs.values())

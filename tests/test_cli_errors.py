@@ -4,6 +4,7 @@ look-up for a path, and a hub name that fails in seconds when the hub cannot be 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -33,12 +34,12 @@ def no_hub(monkeypatch):
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", refuse)
     real_load = datasets.load_dataset
 
-    def load_local_json_only(path, *args, **kwargs):
-        if path != "json":
+    def load_local_only(path, *args, **kwargs):
+        if path not in ("json", "parquet", "arrow") and not os.path.isdir(path):
             refuse(path)
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(datasets, "load_dataset", load_local_json_only)
+    monkeypatch.setattr(datasets, "load_dataset", load_local_only)
 
 
 def write(path, text):
@@ -56,7 +57,28 @@ def files(tmp_path):
         "no_messages": write(tmp_path / "other.jsonl", json.dumps({"text": "hello"}) + "\n"),
         "csv": write(tmp_path / "chats.csv", "a,b\n1,2\n"),
         "bad_config": write(tmp_path / "bad-model.json", json.dumps({"hidden_size": "wide"})),
+        "bad_parquet": write(tmp_path / "chats.parquet", "not parquet"),
+        "tokenized": write(tmp_path / "tokens.jsonl", json.dumps({"input_ids": [1, 2], "labels": [1, 2]}) + "\n"),
+        "ids_only": write(tmp_path / "ids.jsonl", json.dumps({"input_ids": [1, 2]}) + "\n"),
+        "both": write(tmp_path / "both.jsonl", json.dumps({**CONVERSATION, "input_ids": [1], "labels": [1]}) + "\n"),
+        "list_column": write(tmp_path / "masked.jsonl",
+                             json.dumps({"input_ids": [1, 2], "labels": [1, 2], "mask": [1, 1]}) + "\n"),
+        "no_data": folder(tmp_path / "no-data", {"notes.txt": "hello"}),
+        "mixed": folder(tmp_path / "mixed", {"a.jsonl": json.dumps(CONVERSATION) + "\n", "b.parquet": ""}),
+        "splits": saved_splits(tmp_path / "saved"),
     }
+
+
+def folder(path, files):
+    path.mkdir()
+    for name, text in files.items():
+        write(path / name, text)
+    return str(path)
+
+
+def saved_splits(path):
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([CONVERSATION])}).save_to_disk(str(path))
+    return str(path)
 
 
 # (arguments, the message's distinctive part); {name} is replaced by the path of that file.
@@ -73,8 +95,17 @@ CASES = [
     (["pack", "--dataset", "{empty}"], "is empty: it holds no conversation"),
     (["pack", "--dataset", "{blank}"], "is empty: it holds no conversation"),
     (["pack", "--dataset", "{malformed}"], "line 3: malformed JSON"),
-    (["pack", "--dataset", "{no_messages}"], "has no column 'messages'"),
-    (["pack", "--dataset", "{csv}"], "is not a .json or .jsonl file"),
+    (["pack", "--dataset", "{csv}"], "is not a .json, .jsonl, .parquet or .arrow file"),
+    (["pack", "--dataset", "{bad_parquet}"], "`--dataset` '{bad_parquet}' could not be loaded as Parquet: "),
+    (["pack", "--dataset", "{no_data}"], "holds no .json, .jsonl, .parquet or .arrow file, nor a data set saved"),
+    (["pack", "--dataset", "{mixed}"], "mixes json and parquet files: keep one format"),
+    (["pack", "--dataset", "{splits}"], "has no split 'train'; its splits are ['test']"),
+    (["pack", "--dataset", "{ids_only}"], "`--dataset` '{ids_only}' has 'input_ids' but no 'labels' column"),
+    (["pack", "--dataset", "{both}"], "has both 'messages' and ['input_ids', 'labels']"),
+    (["pack", "--dataset", "{no_messages}"], "has neither a 'messages' column nor 'input_ids' and 'labels'"),
+    (["pack", "--dataset", "{tokenized}", "--tokenizer", "{good}"], "`--tokenizer` '{good}' is not used: `--dataset`"),
+    (["pack", "--dataset", "{list_column}"], "`--dataset` column 'mask' holds list<item: int64>"),
+    (["pack", "--num-proc", "0"], "argument --num-proc: '0' must be finite and > 0"),
     # Options out of range or of the wrong type (argparse, one line too).
     (["pack", "--max-length", "0"], "argument --max-length: '0' must be finite and > 0"),
     (["pack", "--max-length", "-1"], "argument --max-length: '-1' must be finite and > 0"),

@@ -92,7 +92,7 @@ def test_sources_follow_their_sequences():
                               "source": ["long", "short"]})
     packed = pack_dataset(data, max_length=4, overflow="split")
     assert packed["seq_sources"] == [["long"], ["long"], ["short"]]
-    with pytest.raises(ValueError, match="'source'"):
+    with pytest.raises(TypeError, match="'source'"):
         pack_dataset(Dataset.from_dict({**data.to_dict(), "source": [1, 2]}), max_length=4)
 
 

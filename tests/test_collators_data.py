@@ -81,7 +81,8 @@ def test_load_messages_dataset_from_jsonl(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module", ["collators.chat", "collators.collate", "collators.data", "collators.packing", "collators.sharding"]
+    "module", ["collators.chat", "collators.collate", "collators.data", "collators.packing", "collators.planning",
+               "collators.sharding", "collators.streaming"]
 )
 def test_docstring_examples(module, tokenizer, cache_dir, monkeypatch):
     """The `>>>` examples in the docstrings are exact."""

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from collators import PackedCollator, PackedIterableDataset, PackingStats, pack_dataset, pack_stream
-from collators.packing import best_fit_decreasing
+from collators.planning import best_fit_decreasing
 
 
 def first_fit(lengths, capacity, decreasing=False):

@@ -453,5 +453,5 @@ def test_sequence_columns_check_each_example_as_the_collators_do():
     assert batch["cu_seqlens"].tolist() == [0, 2, 5] and "seq_targets" not in batch
     with pytest.raises(ValueError, match=r"examples\[0\]\['seq_weights'\]` must be finite"):
         columns([row | {"seq_weights": [2.0, -1.0]}])
-    with pytest.raises(ValueError, match="some examples of the batch carry 'seq_targets'"):
+    with pytest.raises(ValueError, match=r"`examples\[1\]` lacks target counts, unlike `examples\[0\]`"):
         columns([row | {"seq_targets": [1, 2]}, {"input_ids": [6], "seq_lengths": [1], "weight": 1.0}])

@@ -18,7 +18,7 @@ import transformers
 from transformers import Trainer, TrainerCallback
 
 from collators.columns import (
-    EXAMPLE_TOKENS, LABELS, ROW_COLUMNS, SEQ_SOURCES, SEQ_WEIGHTS, SHARD, source_names,
+    EXAMPLE_TOKENS, FLOAT_SEQUENCE_KEYS, LABELS, ROW_COLUMNS, SEQ_SOURCES, SHARD, source_names,
 )
 from collators.sharding import shard_for_rank
 
@@ -35,7 +35,7 @@ from .seams import CHECKED, RefuseOtherTrainers
 # Float batch keys that are data, not activations: under DeepSpeed the Trainer casts every float
 # tensor to the engine's dtype, while the normaliser is counted from the float64 weights as
 # collated (in bf16 a weight of 0.1 would weigh 0.10009765625, in float32 1e39 would be inf).
-EXACT_FLOAT_KEYS = (SEQ_WEIGHTS,)
+EXACT_FLOAT_KEYS = FLOAT_SEQUENCE_KEYS
 
 
 class CheckPendingValues(TrainerCallback):
