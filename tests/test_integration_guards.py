@@ -133,22 +133,53 @@ def test_trl_fused_lm_head_keyword_is_refused(tmp_path):
 
 
 def test_private_seams_exist_in_the_installed_versions(tmp_path):
-    """Every private trl / transformers name listed in ``seams.py`` is still there: an override
-    of a method trl no longer calls would silently do nothing."""
+    """Every private name of another library listed in ``seams.py`` is still there, and each
+    method takes the parameters listed: an override of a method trl no longer calls, or calls with
+    other arguments, would silently do nothing."""
     import importlib
+    import inspect
 
     trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
     from packed_ce.integrations import PackedSFTTrainer
     from packed_ce.integrations.seams import PRIVATE_SEAMS
 
     trainer = sft_trainer(PackedSFTTrainer, tiny_model("llama", 3072), tmp_path)
     assert isinstance(trainer, trl.SFTTrainer)
+    model = tiny_model("llama", 64)
+    model.loss_function = model.loss_function  # the property's setter stores the instance's own
+    instances = {"SFTTrainer": trainer, "Trainer": trainer, "PreTrainedModel": model,
+                 "PretrainedConfig": model.config, "Dataset": Dataset.from_dict({"a": [1]})}  # fmt: skip
     for seam in PRIVATE_SEAMS:
         module, _, attribute = seam.owner.rpartition(".")
         owner = getattr(importlib.import_module(module), attribute)
-        # a method or class field on the owner, or an attribute its __init__ sets
-        found = hasattr(owner, seam.name) or (isinstance(owner, type) and seam.name in vars(trainer))
+        # a method or class field on the owner, or an attribute an instance of it holds
+        found = hasattr(owner, seam.name) or seam.name in vars(instances.get(attribute, owner))
         assert found, f"{seam.owner}.{seam.name} is gone from the installed version ({seam.why})"
+        if seam.parameters is not None:
+            parameters = list(inspect.signature(getattr(owner, seam.name)).parameters)
+            assert parameters == ["self", *seam.parameters], (seam.owner, seam.name, parameters)
+
+
+def test_global_changes_are_the_ledgers(one_rank_group):
+    """apply_packed_loss and remove_packed_loss, enable_context_parallel and its undoing change
+    nothing process-wide beyond seams.GLOBAL_STATE: the Trainer's default callbacks gain
+    RefuseOtherTrainers once, the attention interface nothing on one rank, the model is as before."""
+    from transformers import AttentionInterface, trainer
+
+    from packed_ce.integrations import disable_context_parallel, enable_context_parallel
+    from packed_ce.integrations.seams import GLOBAL_STATE, RefuseOtherTrainers
+
+    assert {where for where, *_ in GLOBAL_STATE} >= {"transformers.trainer.DEFAULT_CALLBACKS"}
+    model = tiny_model("llama", 64)
+    before = dict(vars(model))
+    attention = set(AttentionInterface._global_mapping)
+    disable_context_parallel(enable_context_parallel(apply_packed_loss(model)))
+    remove_packed_loss(model)
+    assert vars(model).keys() == before.keys() and model.config._attn_implementation == "sdpa"
+    assert set(AttentionInterface._global_mapping) == attention
+    assert trainer.DEFAULT_CALLBACKS.count(RefuseOtherTrainers) == 1
 
 
 def test_trl_extra_pins_the_tested_range():
