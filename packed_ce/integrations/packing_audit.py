@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from collators.columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q, POSITION_IDS,
+    ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q,
+    POSITION_IDS,
 )
 
 from .guards import packed_boundaries
@@ -51,6 +52,7 @@ _STATE = "the state of the conversation before"
 LEAKY_FAMILIES: dict[str, str] = {
     "mamba": f"its Mamba layers start each conversation from {_STATE}",
     "falcon_mamba": f"its Mamba layers start each conversation from {_STATE}",
+    "mamba2": f"its Mamba 2 layers start each conversation from {_STATE}",
     "jamba": f"its Mamba layers start each conversation from {_STATE}",
     "zamba": f"without seq_idx its Mamba layers start each conversation from {_STATE}",
     "recurrent_gemma": f"its RG-LRU layers start each conversation from {_STATE}",
@@ -58,6 +60,7 @@ LEAKY_FAMILIES: dict[str, str] = {
     "xlstm": f"its mLSTM layers start each conversation from {_STATE}",
     "minimax": f"its lightning (linear) attention starts each conversation from {_STATE}",
     "deepseek_v4": "its compressed attention pools blocks of tokens across conversations",
+    "zaya": "its query and key convolutions (CCA) read the conversation before",
     "inkling_text": "without seq_idx its short convolutions read the conversation before",
     "inkling2_text": "without seq_idx its short convolutions read the conversation before",
     "inkling2_loop_text": "without seq_idx its short convolutions read the conversation before",
@@ -115,29 +118,36 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
 
 
 def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """``(B, T)`` bool, True at the first token of every sequence that starts after column 0 (by
-    ``cu_seqlens`` / ``cu_seq_lens_q`` and the ``position_ids`` restarts); None for a call that is
-    not packed. Costs one host sync, on calls with boundaries until the audit passes."""
+    """``(B, T)`` bool, True at the first token of every conversation that starts after column 0;
+    None for a call that is not packed. Costs one host sync, until the audit passes.
+
+    Conversations are where ``position_ids`` restart (what transformers' masks follow); without
+    them the boundaries of ``cu_seqlens`` / ``cu_seq_lens_q``. Not ``cu_seqlens`` beside
+    ``position_ids``: a context-parallel shard splits a conversation there for its loss.
+    """
     if kwargs.get(ATTENTION_MASK) is not None or kwargs.get("past_key_values") is not None:
         return None
-    boundaries, positions = packed_boundaries(kwargs)
+    boundaries, labelled_positions = packed_boundaries(kwargs)
+    positions = kwargs.get(POSITION_IDS)
     tokens = kwargs.get(INPUT_IDS)
     if tokens is None:
         tokens = kwargs.get("inputs_embeds")
     if tokens is None and args:
         tokens = args[0]
-    if (boundaries is None and positions is None) or not isinstance(tokens, torch.Tensor):
+    if (boundaries is None and labelled_positions is None) or not isinstance(tokens, torch.Tensor):
         return None
     if tokens.dim() < 2:
         return None
     rows, width = tokens.shape[:2]
-    starts = torch.zeros(rows * width, dtype=torch.bool, device=tokens.device)
-    if isinstance(boundaries, torch.Tensor):
+    if isinstance(positions, torch.Tensor):
+        starts = _restarts(positions.to(tokens.device), (rows, width))
+    elif isinstance(boundaries, torch.Tensor):
+        starts = torch.zeros(rows * width, dtype=torch.bool, device=tokens.device)
         inside = boundaries.to(device=tokens.device, dtype=torch.int64)
         starts[inside[(inside > 0) & (inside < rows * width)]] = True
-    starts = starts.view(rows, width)
-    if isinstance(positions, torch.Tensor):
-        starts |= _restarts(positions.to(tokens.device), starts.shape)
+        starts = starts.view(rows, width)
+    else:
+        return None
     starts[:, 0] = False
     return starts if bool(starts.any()) else None
 
@@ -189,9 +199,7 @@ class _Audit:
         self.family = getattr(model.config, "model_type", type(model).__name__)
         self.starts = starts
         self.pairs = _boundary_pairs(starts)
-        self.positions_restart = isinstance(positions, torch.Tensor) and not bool(
-            (starts & ~_restarts(positions.to(starts.device), starts.shape)).any()
-        )
+        self.positions = isinstance(positions, torch.Tensor)
         self.hooks = [
             layer.register_forward_pre_hook(functools.partial(self._check, name), with_kwargs=True)
             for name, layer in layers
@@ -210,7 +218,7 @@ class _Audit:
     def _check(self, name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = _bound_arguments(layer, args, kwargs)
         mask = arguments.get(ATTENTION_MASK)
-        if mask is None or isinstance(mask, torch.Tensor) and mask.dim() < 4:
+        if mask is None or _padding(mask):
             if not any(hasattr(module, "is_causal") for module in layer.modules()):
                 return  # no attention: a recurrent layer's state is LEAKY_FAMILIES' matter
             if "flash" in self.implementation:
@@ -221,9 +229,9 @@ class _Audit:
             leak = _mask_leak(mask, self.pairs, self.starts.shape)
         if leak is None:
             return
-        hint = "" if self.positions_restart else (
-            " (the position_ids of this call do not restart at 0 at every sequence start: "
-            "collators.PackedCollator's do)"
+        hint = "" if self.positions else (
+            " (this call has no position_ids, so positions run on across the row: pass "
+            "collators.PackedCollator's, which restart at 0 for every conversation)"
         )
         raise ValueError(
             f"packed batches are not exact on model_type={self.family!r} with "
@@ -231,6 +239,11 @@ class _Audit:
             f"a packed conversation attends to the one before it{hint}. Load the model with "
             f"another attn_implementation (its first packed call is checked again), {UNPACKED}"
         )
+
+
+def _padding(mask) -> bool:
+    """A tensor of fewer than 4 dimensions: a padding mask, which separates no sequences."""
+    return isinstance(mask, torch.Tensor) and mask.dim() < 4
 
 
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -272,8 +285,9 @@ def _mask_leak(mask, pairs, shape: tuple[int, int]) -> str | None:
     from torch.nn.attention.flex_attention import BlockMask
 
     rows, queries, keys = pairs
-    if isinstance(mask, Mapping):
-        leaks = [_mask_leak(value, pairs, shape) for value in mask.values()]
+    if isinstance(mask, Mapping):  # one per kind of mixing (ZAYA): the attention masks are read
+        masks = [m for m in mask.values() if m is not None and not _padding(m)]
+        leaks = [_mask_leak(value, pairs, shape) for value in masks]
         return next((leak for leak in leaks if leak is not None), None)
     if isinstance(mask, BlockMask):
         visible = _block_mask_visible(mask, rows, queries, keys)
