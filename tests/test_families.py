@@ -16,9 +16,10 @@ reads nothing of the conversation before until its first step, but its gradient 
   sequences apart): by the mask audit or by ``LEAKY_FAMILIES``, so a table entry that becomes
   exact, or a leak the audit and the table miss, fails here.
 
-Flex attention compiles for minutes on CPU: :func:`test_flex_attention_masks_are_audited` reads the
-``BlockMask`` of a representative set of families (mask built uncompiled, attention stubbed) and
-requires the sdpa verdict. ``test_sweep_summary`` prints the counts.
+Flex attention compiles for minutes on CPU and has no backward there:
+:func:`test_flex_attention_masks_are_audited` reads, for a representative set of families, the
+masks their attention calls receive (built uncompiled, the attention a stub), and requires a
+refusal exactly where one leaks. ``test_sweep_summary`` prints the counts.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packed_ce
 from collators import PackedCollator
 from packed_ce.integrations import apply_packed_loss
-from packed_ce.integrations.packing_audit import LEAKY_FAMILIES
+from packed_ce.integrations.packing_audit import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
 
 from family_models import VOCAB, NotBuilt, supports, tiny_family_model
 from integration_utils import (
@@ -154,40 +155,54 @@ def test_family_is_exact_or_refused(family):
         pytest.skip(RESULTS[family, "eager"])
 
 
-# A representative set: plain, sliding-window, hybrid-window and MoE families that are exact, and
-# families whose masks leak (built without position_ids).
-FLEX_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text", "qwen3_moe", "opt", "afmoe", "bert"]
+# A representative set: plain, sliding-window, hybrid-window and MoE families that are exact,
+# families whose masks leak (built without position_ids), and Doge, whose flex path leaks.
+FLEX_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text", "qwen3_moe", "opt", "afmoe", "bert", "doge"]
 
 
 @pytest.mark.parametrize("family", FLEX_FAMILIES)
 def test_flex_attention_masks_are_audited(family, monkeypatch):
-    """The audit reads flex attention's ``BlockMask`` as the sweep found the family's sdpa mask:
-    exact families pass it, leaking ones are refused naming ``flex_attention``. The mask is built
-    without compiling and the attention is a stub (compiling flex on CPU takes minutes)."""
+    """With flex attention a family is refused exactly when the mask its attention calls receive
+    lets a conversation see the one before (read by the audit's reader, in a stub of the
+    attention: compiling flex on CPU takes minutes, and it has no backward there), naming
+    ``flex_attention``; the mask is built uncompiled."""
     from torch.nn.attention import flex_attention
     from transformers import masking_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from packed_ce.integrations import packing_audit
+
+    batch = packed_batch()
+    starts = packing_audit._restarts(batch["position_ids"], tuple(batch["input_ids"].shape))
+    pairs = packing_audit._boundary_pairs(starts)
+    leaks = []
+
     def stub(module, query, key, value, attention_mask, **kwargs):
-        assert isinstance(attention_mask, flex_attention.BlockMask)
+        leaks.append(packing_audit._mask_leak(attention_mask, pairs, starts.shape))
         return torch.zeros_like(query).transpose(1, 2), None
 
     build = functools.partial(flex_attention.create_block_mask, _compile=False)
     monkeypatch.setattr(masking_utils, "create_block_mask", lambda *a, _compile, **k: build(*a, **k))
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", stub)
-    assert supports(family, "flex_attention")
-    sdpa = tiny_family_model(family, "sdpa")
-    truth = loss_and_gradients(sdpa, lambda m: one_at_a_time(m, conversations()))
-    own = distance(sdpa, functools.partial(own_packed_call, batch=packed_batch()), truth)
-    exact = own[0] <= EXACT_RTOL and own[1] <= GRAD_RTOL
-    model = apply_packed_loss(tiny_family_model(family, "flex_attention"), backend="torch")
-    if exact:
+    model = tiny_family_model(family, "flex_attention")
+    leaks.clear()  # of the building's unpacked call
+    with torch.no_grad():
+        own_packed_call(model, batch)
+    assert leaks, "the stub was not called"
+    apply_packed_loss(model, backend="torch")
+    if not any(leaks):
         with torch.no_grad():
-            model(**packed_batch())
+            model(**batch)
         assert model._packed_ce.audited == {"flex_attention"}
     else:
         with pytest.raises(ValueError, match=f"model_type='{family}' with attn_implementation='flex_attention'"):
-            model(**packed_batch())
+            model(**batch)
+
+
+def test_every_leaky_implementation_is_checked_here():
+    """Each LEAKY_IMPLEMENTATIONS entry is a flex one of FLEX_FAMILIES (eager and sdpa run for
+    every family), so a fixed one fails above."""
+    assert all(a == "flex_attention" and f in FLEX_FAMILIES for f, a in LEAKY_IMPLEMENTATIONS)
 
 
 def test_sweep_summary(capsys):

@@ -156,6 +156,13 @@ def test_audited_once_per_implementation_with_no_hook_or_sync_after(monkeypatch)
             model(**packed_batch())
 
 
+def test_a_model_without_layers_mixes_nothing():
+    model = apply_packed_loss(tiny_model("llama", VOCAB, num_hidden_layers=0))
+    with torch.no_grad():
+        assert_loss_close(model(**packed_batch()).loss, one_at_a_time(model, conversations()))
+    assert model._packed_ce.audited == {"sdpa"}
+
+
 def test_a_refused_family_trains_nothing_and_runs_unpacked():
     model = apply_packed_loss(tiny_model("llama", VOCAB, attn="eager"))  # to compare with
     opt = apply_packed_loss(tiny_family_model("opt", "sdpa"))

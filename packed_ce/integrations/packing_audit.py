@@ -22,8 +22,9 @@ A leaking layer raises a ``ValueError`` naming ``config.model_type``, the implem
 fix before it runs. A passed audit is remembered per implementation on the installation, and its
 hooks are gone after that call: later calls cost one set lookup. Families that are wrong for a
 reason no mask shows (recurrent state carried along the row) are refused by name from
-:data:`LEAKY_FAMILIES`; ``tests/test_families.py`` runs every family of transformers and fails
-when the table or the audit disagrees with what a family does.
+:data:`LEAKY_FAMILIES` (:data:`LEAKY_IMPLEMENTATIONS` where only one implementation is wrong);
+``tests/test_families.py`` runs every family of transformers and fails when a table or the audit
+disagrees with what a family does.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ LEAKY_FAMILIES: dict[str, str] = {
     "inkling2_text": "without seq_idx its short convolutions read the conversation before",
     "inkling2_loop_text": "without seq_idx its short convolutions read the conversation before",
 }
+# (family, implementation) pairs whose attention does not get the mask its layers do.
+LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("doge", "flex_attention"): "its attention builds its dynamic mask without the flex "
+    "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
+}
 # Families of LEAKY_FAMILIES whose mixing layers keep conversations apart by the call's seq_idx
 # (transformers' causal_conv1d / mamba kernels; it refuses such a call where they are missing).
 SEQ_IDX_FAMILIES = frozenset({"zamba", "inkling_text", "inkling2_text", "inkling2_loop_text"})
@@ -85,8 +91,8 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
         :class:`_Audit` (hooks on the decoder layers while the call runs).
 
     Raises:
-        ValueError: on a packed call of a family of :data:`LEAKY_FAMILIES`, or of a model whose
-            decoder layers cannot be found.
+        ValueError: on a packed call of a family of :data:`LEAKY_FAMILIES` or
+            :data:`LEAKY_IMPLEMENTATIONS`, or of a model whose decoder layers cannot be found.
     """
     implementation = model.config._attn_implementation
     if implementation in installation.audited:
@@ -107,7 +113,16 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
             f"packed batches are not exact on model_type={family!r}: {LEAKY_FAMILIES[family]} in "
             f"the row; pack nothing with this family, {UNPACKED}"
         )
+    if (family, implementation) in LEAKY_IMPLEMENTATIONS:
+        raise ValueError(
+            f"packed batches are not exact on model_type={family!r} with attn_implementation="
+            f"{implementation!r}: {LEAKY_IMPLEMENTATIONS[family, implementation]}; load it with "
+            f"another attn_implementation, {UNPACKED}"
+        )
     layers = _decoder_layers(model)
+    if not layers and getattr(model.config.get_text_config(), "num_hidden_layers", None) == 0:
+        installation.audited.add(implementation)  # no layer: no token sees another
+        return _NOTHING
     if not layers:
         raise ValueError(
             f"packed batches cannot be checked on model_type={family!r}: it has no decoder layers "
