@@ -4,7 +4,8 @@
 - it reads each mask form as the attention does: transformers' own sdpa (bool), eager (additive)
   and flex (``BlockMask``, with full and partial blocks: every pair against the dense mask) masks
   of a packed row pass, the causal ones of the same row leak, a bool mask of the inverted
-  convention (MPT's) too; flash attention passes on varlen keywords or a single row's positions;
+  convention (MPT's) too; flash attention passes on varlen keywords or a single row's positions
+  with rotary positions that restart (stubbed on a tiny Llama; OPT's absolute positions refused);
 - on tiny models: once per attention implementation and model (no hook left after it, no host
   sync after it), again after ``set_attn_implementation``; a refused family trains nothing and its
   unpacked batches still run exact; the refusal holds under gradient checkpointing, inside a PEFT
@@ -116,15 +117,29 @@ def test_block_mask_is_read_pair_by_pair_as_its_dense_mask(block):
     assert torch.equal(visible[:, 0], create_mask(packed, 1, 1, width, width, device="cpu").flatten())
 
 
-def test_flash_reads_varlen_keywords_or_a_single_rows_positions():
+def rotary(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's ``(cos, sin)`` of ``positions`` ``(B, T)``: ``(B, T, 16)``."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    model = tiny_model("llama", VOCAB)
+    return LlamaRotaryEmbedding(model.config)(torch.zeros(1), positions)
+
+
+def test_flash_reads_varlen_keywords_or_a_single_rows_positions_and_rotary_positions():
     batch = packed_batch()
     starts = starts_of([LENGTHS])
     varlen = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    assert _flash_leak(varlen, starts) is None
+    restarting, running = rotary(batch["position_ids"]), rotary(torch.arange(sum(LENGTHS))[None])
+    assert _flash_leak({**varlen, "position_embeddings": restarting}, starts) is None
+    assert _flash_leak({**varlen, "position_embeddings": running}, starts) == (
+        "rotary position_embeddings that do not restart at every sequence"
+    )
+    assert _flash_leak(varlen, starts) == "no rotary position_embeddings to check its positions by"
     merged = {**varlen, "cu_seq_lens_q": batch["cu_seq_lens_q"][[0, 2, 3, 4]]}
     assert _flash_leak(merged, starts) == "cu_seq_lens_q that do not split every sequence"
-    assert _flash_leak({"position_ids": batch["position_ids"]}, starts) is None
-    plain = {"position_ids": torch.arange(sum(LENGTHS))[None]}
+    single = {"position_ids": batch["position_ids"], "position_embeddings": restarting}
+    assert _flash_leak(single, starts) is None
+    plain = {"position_ids": torch.arange(sum(LENGTHS))[None], "position_embeddings": restarting}
     assert _flash_leak(plain, starts) == "position_ids that do not restart at every sequence"
     two_rows = starts_of([LENGTHS, LENGTHS])
     found = _flash_leak({"position_ids": batch["position_ids"].expand(2, -1)}, two_rows)
@@ -249,3 +264,30 @@ def test_a_seq_idx_family_with_seq_idx_goes_on_to_transformers():
     seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))[None]
     with pytest.raises(ValueError, match="can't keep packed sequences apart without"):  # on CPU
         model(**batch, seq_idx=seq_idx.to(torch.int32))
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_flash_attention_layers_are_audited_by_their_keywords(family, monkeypatch):
+    """flash_attention_2 (no CUDA here: its mask built as transformers does, the attention a stub):
+    a rotary family whose layers get the collator's varlen keywords is accepted, unless the call
+    drops them; a family with absolute position embeddings (OPT) cannot be checked, refused."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(
+        ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2",
+        lambda module, query, key, value, attention_mask, **kwargs: (query.transpose(1, 2), None),
+    )
+    model = tiny_family_model(family, "eager")
+    model.config._attn_implementation = "flash_attention_2"
+    apply_packed_loss(model)
+    batch = packed_batch()
+    two_rows = {key: batch[key].expand(2, -1) for key in ("input_ids", "labels", "position_ids")}
+    with pytest.raises(ValueError, match="neither varlen keywords nor the position_ids of a single row"):
+        model(**two_rows)
+    if family == "opt":
+        with pytest.raises(ValueError, match="no rotary position_embeddings to check its positions by"):
+            model(**batch)
+    else:
+        with torch.no_grad():
+            model(**batch)
+        assert model._packed_ce.audited == {"flash_attention_2"}

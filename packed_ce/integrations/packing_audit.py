@@ -16,7 +16,8 @@ the sequence before it (fewer than ``2 T`` lookups per row):
   transformers' attention contract): causal attention over the whole row, except with flash
   attention, which takes the sequences from the layer call's varlen keywords (``cu_seq_lens_q``,
   ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``) or, in a single row, its
-  ``position_ids``.
+  ``position_ids``; flash also needs the layer's rotary ``position_embeddings`` to restart (the
+  positions no mask shows: absolute position embeddings cannot be checked, and are refused).
 
 A leaking layer raises a ``ValueError`` naming ``config.model_type``, the implementation and the
 fix before it runs. A passed audit is remembered per implementation on the installation, and its
@@ -356,8 +357,13 @@ def _block_mask_visible(mask, rows, queries, keys) -> torch.Tensor:
 
 
 def _flash_leak(arguments: dict, starts: torch.Tensor) -> str | None:
-    """Why flash attention at this layer attends across a boundary, or None: its sequences come
-    from the layer call's varlen keywords, else from the ``position_ids`` of a single row."""
+    """Why flash attention at this layer is not every conversation alone, or None.
+
+    Its sequences come from the layer call's varlen keywords, else from the ``position_ids`` of
+    a single row. No mask shows the positions: they are read from the rotary
+    ``position_embeddings`` the layer gets, which must be those of position 0 at every start (a
+    family with absolute position embeddings adds them before the layers, where none can tell).
+    """
     varlen = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
     if all(arguments.get(key) is not None for key in varlen):
         found = torch.zeros(starts.numel(), dtype=torch.bool, device=starts.device)
@@ -370,4 +376,18 @@ def _flash_leak(arguments: dict, starts: torch.Tensor) -> str | None:
         what = "position_ids that do not restart at every sequence"
     else:
         return "neither varlen keywords nor the position_ids of a single row"
-    return None if not bool((starts & ~split).any()) else what
+    if bool((starts & ~split).any()):
+        return what
+    rotary = arguments.get("position_embeddings")
+    if not (isinstance(rotary, (tuple, list)) and rotary and all(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
+        for t in rotary
+    )):
+        return "no rotary position_embeddings to check its positions by"
+    rows, columns = starts.nonzero(as_tuple=True)
+    for table in rotary:  # (B or 1, T, D)
+        batch = rows.to(table.device) if table.shape[0] > 1 else 0
+        at_start = table[batch, columns.to(table.device)]
+        if not torch.equal(at_start, table[batch, 0].expand_as(at_start)):
+            return "rotary position_embeddings that do not restart at every sequence"
+    return None
