@@ -98,14 +98,15 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
     implementation = model.config._attn_implementation
     if implementation in installation.audited:
         return _NOTHING
-    starts = _sequence_starts(args, kwargs)
-    if starts is None:
-        return _NOTHING
     from .context_parallel import context_parallel_of
 
     parallel = context_parallel_of(model)
     if parallel is not None and parallel.attention_name == implementation:
-        return _NOTHING  # its own attention keeps conversations apart by position_ids
+        installation.audited.add(implementation)  # it keeps conversations apart by position_ids
+        return _NOTHING
+    starts = _sequence_starts(args, kwargs)
+    if starts is None:
+        return _NOTHING
     family = getattr(model.config, "model_type", type(model).__name__)
     if family in LEAKY_FAMILIES and not (
         family in SEQ_IDX_FAMILIES and kwargs.get("seq_idx") is not None
@@ -188,8 +189,7 @@ def _boundary_pairs(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     Returns:
         ``rows``, ``queries``, ``keys``: ``(P,)`` int64, ``P < 2 B T``.
     """
-    rows_, width = starts.shape
-    columns = torch.arange(width, device=starts.device)
+    columns = torch.arange(starts.shape[1], device=starts.device)
     opens = starts.clone()
     opens[:, 0] = True
     first = torch.where(opens, columns, 0).cummax(1).values  # the first column of my sequence
