@@ -21,6 +21,7 @@ from .context_parallel.install import prepare_call
 from .guards import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
+from .packing_audit import start_audit
 
 # Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final
 # softcap) between the hidden states and the loss: the fused forward would silently drop it.
@@ -165,7 +166,8 @@ def make_forward(model: nn.Module) -> Callable:
     the hidden states where fused.
 
     The call is made exact or refused (:func:`prepare_call` for context parallelism, then
-    :func:`checked_call`). Fused, training, with ``labels``: the
+    :func:`checked_call`; the first packed call of each attention implementation also by
+    :func:`start_audit`). Fused, training, with ``labels``: the
     decoder runs and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its
     ``(B, T, H)`` hidden states and ``lm_head`` (soft-capped by ``final_logit_softcapping``),
     ``logits=None``; else the model's own forward. Looked up at call time, so a
@@ -182,9 +184,10 @@ def make_forward(model: nn.Module) -> Callable:
         fused = installation.fused_options is not None
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            if not fused or args or labels is None or not self.training:
-                return _own_forward(self, installation)(*args, **kwargs)
-            return _fused_linear_forward(self, installation, kwargs)
+            with start_audit(self, installation, args, kwargs):
+                if not fused or args or labels is None or not self.training:
+                    return _own_forward(self, installation)(*args, **kwargs)
+                return _fused_linear_forward(self, installation, kwargs)
         finally:
             _running.depth -= 1
 

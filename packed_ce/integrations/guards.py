@@ -71,10 +71,7 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
     cache is turned off, an all-ones mask dropped, and a masking ``attention_mask`` or
     ``past_key_values`` refused (reading the boundaries then costs one host sync).
     """
-    boundaries = kwargs.get(CU_SEQLENS)
-    if boundaries is None:
-        boundaries = kwargs.get(CU_SEQ_LENS_Q)
-    positions = kwargs.get(POSITION_IDS) if kwargs.get(LABELS) is not None else None
+    boundaries, positions = packed_boundaries(kwargs)
     if boundaries is None and positions is None:
         return kwargs
     kwargs = {**kwargs, "use_cache": False}
@@ -97,6 +94,15 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
         )
     del kwargs[ATTENTION_MASK]
     return kwargs
+
+
+def packed_boundaries(kwargs: dict) -> tuple[Any, Any]:
+    """A call's sequence boundaries: ``cu_seqlens`` (else ``cu_seq_lens_q``) and, with
+    ``labels``, ``position_ids``; None where absent."""
+    boundaries = kwargs.get(CU_SEQLENS)
+    if boundaries is None:
+        boundaries = kwargs.get(CU_SEQ_LENS_Q)
+    return boundaries, kwargs.get(POSITION_IDS) if kwargs.get(LABELS) is not None else None
 
 
 def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:

@@ -7,7 +7,7 @@ wrappers.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -33,6 +33,8 @@ class Installation:
             :data:`MISSING`.
         decoder_hook: the decoder's pre-hook that refuses a training pass past the installed
             forward (:func:`refuse_bypass`).
+        audited: the attention implementations whose first packed call kept every conversation
+            apart (``packing_audit.py``).
     """
 
     loss: PackedCausalLMLoss
@@ -41,6 +43,7 @@ class Installation:
     previous_loss_function: Any
     previous_forward: Any
     decoder_hook: torch.utils.hooks.RemovableHandle | None = None
+    audited: set[str] = field(default_factory=set)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -1,0 +1,391 @@
+"""Packed conversations kept apart in every decoder layer, checked on a model's first packed call.
+
+transformers builds each family's attention mask in that family's own code: most remap it to the
+packed ``position_ids`` (block-diagonal per conversation), others build it without them (OPT,
+AFMoE, GPT-OSS eager, the BERT and BART families, ...) and let a packed conversation attend to the
+one before it. So the first packed call (a sequence boundary inside a row) of each attention
+implementation records, by forward pre-hooks on the decoder layers (transformers'
+``GradientCheckpointingLayer``), the ``attention_mask`` each layer receives, and reads it as the
+attention does at every boundary: the first and the last query of a sequence must see no key of
+the sequence before it (fewer than ``2 T`` lookups per row):
+
+- a 4-D tensor: additive float (a key is masked at ``-1e4`` or below) or bool (masked unless it
+  reads as the query's own key does: ``False`` for sdpa, ``True`` where a family inverts it);
+- a flex-attention ``BlockMask``: its full blocks, and its ``mask_mod`` on its partial blocks;
+- ``None`` or a 2-D padding mask, at a layer with attention (a submodule with ``is_causal``,
+  transformers' attention contract): causal attention over the whole row, except with flash
+  attention, which takes the sequences from the layer call's varlen keywords (``cu_seq_lens_q``,
+  ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``) or, in a single row, its
+  ``position_ids``; flash also needs the layer's rotary ``position_embeddings`` to restart (the
+  positions no mask shows: absolute position embeddings cannot be checked, and are refused).
+
+A leaking layer raises a ``ValueError`` naming ``config.model_type``, the implementation and the
+fix before it runs. A passed audit is remembered per implementation on the installation, and its
+hooks are gone after that call: later calls cost one set lookup. Families that are wrong for a
+reason no mask shows (recurrent state carried along the row) are refused by name from
+:data:`LEAKY_FAMILIES` (:data:`LEAKY_IMPLEMENTATIONS` where only one implementation is wrong);
+``tests/test_families.py`` runs every family of transformers and fails when a table or the audit
+disagrees with what a family does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from collators.columns import (
+    ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q,
+    POSITION_IDS,
+)
+
+from .context_parallel.attention import ATTENTION_NAME
+from .guards import packed_boundaries
+
+# Additive mask values at or below this mask their key: exp(-1e4) is 0 in every float type.
+MASKED_BELOW = -1e4
+UNPACKED = "or train on unpacked batches (collators.PaddedCollator: one conversation per row)"
+_STATE = "the state of the conversation before"
+# Families whose packed conversations see the one before for a reason no attention mask shows:
+# model_type -> why (tests/test_families.py fails when one becomes exact or another one leaks).
+LEAKY_FAMILIES: dict[str, str] = {
+    "mamba": f"its Mamba layers start each conversation from {_STATE}",
+    "falcon_mamba": f"its Mamba layers start each conversation from {_STATE}",
+    "mamba2": f"its Mamba 2 layers start each conversation from {_STATE}",
+    "jamba": f"its Mamba layers start each conversation from {_STATE}",
+    "zamba": f"without seq_idx its Mamba layers start each conversation from {_STATE}",
+    "recurrent_gemma": f"its RG-LRU layers start each conversation from {_STATE}",
+    "rwkv": f"its RWKV time mixing starts each conversation from {_STATE}",
+    "xlstm": f"its mLSTM layers start each conversation from {_STATE}",
+    "minimax": f"its lightning (linear) attention starts each conversation from {_STATE}",
+    "deepseek_v4": "its compressed attention pools blocks of tokens across conversations",
+    "zaya": "its query and key convolutions (CCA) read the conversation before",
+    "inkling_text": "without seq_idx its short convolutions read the conversation before",
+    "inkling2_text": "without seq_idx its short convolutions read the conversation before",
+    "inkling2_loop_text": "without seq_idx its short convolutions read the conversation before",
+}
+# (family, implementation) pairs whose attention does not get the mask its layers do.
+LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("doge", "flex_attention"): "its attention builds its dynamic mask without the flex "
+    "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
+}
+# Families of LEAKY_FAMILIES whose mixing layers keep conversations apart by the call's seq_idx
+# (transformers' causal_conv1d / mamba kernels; it refuses such a call where they are missing).
+SEQ_IDX_FAMILIES = frozenset({"zamba", "inkling_text", "inkling2_text", "inkling2_loop_text"})
+_NOTHING = contextlib.nullcontext()
+
+
+def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
+    """A context to run a call of ``model`` in: its audit on the first packed call.
+
+    Args:
+        model: the transformers model with the packed loss (not a wrapper).
+        installation: its :class:`Installation` (``audited``: the implementations checked).
+        args, kwargs: the call, as :func:`checked_call` left it (a packed call has no
+            ``attention_mask`` and no cache).
+
+    Returns:
+        a no-op context, or on the first packed call of ``config._attn_implementation`` an
+        :class:`_Audit` (hooks on the decoder layers while the call runs).
+
+    Raises:
+        ValueError: on a packed call of a family of :data:`LEAKY_FAMILIES` or
+            :data:`LEAKY_IMPLEMENTATIONS`, or of a model whose decoder layers cannot be found.
+    """
+    implementation = model.config._attn_implementation
+    if implementation in installation.audited:
+        return _NOTHING
+    if implementation == ATTENTION_NAME:  # context parallelism's: its row layout keeps them apart
+        installation.audited.add(implementation)
+        return _NOTHING
+    starts = _sequence_starts(args, kwargs)
+    if starts is None:
+        return _NOTHING
+    family = getattr(model.config, "model_type", type(model).__name__)
+    if family in LEAKY_FAMILIES and not (
+        family in SEQ_IDX_FAMILIES and kwargs.get("seq_idx") is not None
+    ):
+        raise ValueError(
+            f"packed batches are not exact on model_type={family!r}: {LEAKY_FAMILIES[family]} in "
+            f"the row; pack nothing with this family, {UNPACKED}"
+        )
+    if (family, implementation) in LEAKY_IMPLEMENTATIONS:
+        raise ValueError(
+            f"packed batches are not exact on model_type={family!r} with attn_implementation="
+            f"{implementation!r}: {LEAKY_IMPLEMENTATIONS[family, implementation]}; load it with "
+            f"another attn_implementation, {UNPACKED}"
+        )
+    layers = _decoder_layers(model)
+    if not layers and getattr(model.config.get_text_config(), "num_hidden_layers", None) == 0:
+        installation.audited.add(implementation)  # no layer: no token sees another
+        return _NOTHING
+    if not layers:
+        raise ValueError(
+            f"packed batches cannot be checked on model_type={family!r}: it has no decoder layers "
+            f"(transformers' GradientCheckpointingLayer) whose attention masks could be read; "
+            f"pack nothing with this family, {UNPACKED}"
+        )
+    return _Audit(model, installation, layers, starts, kwargs.get(POSITION_IDS))
+
+
+def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``(B, T)`` bool, True at the first token of every conversation that starts after column 0;
+    None for a call that is not packed. Costs one host sync, until the audit passes.
+
+    Conversations are where ``position_ids`` restart (what transformers' masks follow); without
+    them the boundaries of ``cu_seqlens`` / ``cu_seq_lens_q``. Not ``cu_seqlens`` beside
+    ``position_ids``: a context-parallel shard splits a conversation there for its loss.
+    """
+    if kwargs.get(ATTENTION_MASK) is not None or kwargs.get("past_key_values") is not None:
+        return None
+    boundaries, labelled_positions = packed_boundaries(kwargs)
+    positions = kwargs.get(POSITION_IDS)
+    tokens = kwargs.get(INPUT_IDS)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None and args:
+        tokens = args[0]
+    if (boundaries is None and labelled_positions is None) or not isinstance(tokens, torch.Tensor):
+        return None
+    if tokens.dim() < 2:
+        return None
+    rows, width = tokens.shape[:2]
+    if isinstance(positions, torch.Tensor):
+        starts = _restarts(positions.to(tokens.device), (rows, width))
+    elif isinstance(boundaries, torch.Tensor):
+        starts = torch.zeros(rows * width, dtype=torch.bool, device=tokens.device)
+        inside = boundaries.to(device=tokens.device, dtype=torch.int64)
+        starts[inside[(inside > 0) & (inside < rows * width)]] = True
+        starts = starts.view(rows, width)
+    else:
+        return None
+    starts[:, 0] = False
+    return starts if bool(starts.any()) else None
+
+
+def _restarts(positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``shape`` bool: where ``position_ids`` (``(B, T)`` or ``(1, T)``) restart inside a row
+    (transformers' rule: ``p[t] != p[t-1] + 1``); all False for positions of another length."""
+    starts = torch.zeros(shape, dtype=torch.bool, device=positions.device)
+    positions = positions.reshape(-1, positions.shape[-1])
+    if positions.shape[-1] == shape[1] and positions.shape[0] in (1, shape[0]):
+        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts
+
+
+def _boundary_pairs(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``(row, query, key)`` triples a mask must hide: the first and the last token of every
+    sequence starting inside a row, each with every key of the sequence before it.
+
+    Args:
+        starts: ``(B, T)`` bool from :func:`_sequence_starts`.
+
+    Returns:
+        ``rows``, ``queries``, ``keys``: ``(P,)`` int64, ``P < 2 B T``.
+    """
+    columns = torch.arange(starts.shape[1], device=starts.device)
+    opens = starts.clone()
+    opens[:, 0] = True
+    first = torch.where(opens, columns, 0).cummax(1).values  # the first column of my sequence
+    before = torch.zeros_like(first)  # ... and of the sequence before it
+    before[:, 1:] = torch.where(opens[:, 1:], first[:, :-1], 0)
+    before = before.cummax(1).values
+    last = torch.ones_like(opens)
+    last[:, :-1] = opens[:, 1:]
+    rows, queries = ((last & (first > 0)) | starts).nonzero(as_tuple=True)
+    low, count = before[rows, queries], (first - before)[rows, queries]
+    offsets = torch.arange(int(count.sum()), device=starts.device)
+    offsets -= torch.repeat_interleave(count.cumsum(0) - count, count)
+    repeat = functools.partial(torch.repeat_interleave, repeats=count)
+    return repeat(rows), repeat(queries), repeat(low) + offsets
+
+
+class _Audit:
+    """The pre-hooks of one packed call on the decoder layers (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, installation, layers, starts: torch.Tensor, positions):
+        self.installation = installation
+        self.implementation = model.config._attn_implementation
+        self.family = getattr(model.config, "model_type", type(model).__name__)
+        self.starts = starts
+        self.pairs = _boundary_pairs(starts)
+        self.positions = isinstance(positions, torch.Tensor)
+        self.hooks = [
+            layer.register_forward_pre_hook(functools.partial(self._check, name), with_kwargs=True)
+            for name, layer in layers
+        ]
+
+    def __enter__(self) -> "_Audit":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        """Removes the hooks; a call that ran through marks the implementation audited."""
+        for hook in self.hooks:
+            hook.remove()
+        if error_type is None:
+            self.installation.audited.add(self.implementation)
+
+    def _check(self, name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        arguments = _bound_arguments(layer, args, kwargs)
+        mask = arguments.get(ATTENTION_MASK)
+        if mask is None or _padding(mask):
+            if not any(hasattr(module, "is_causal") for module in layer.modules()):
+                return  # no attention: a recurrent layer's state is LEAKY_FAMILIES' matter
+            if "flash" in self.implementation:
+                leak = _flash_leak(arguments, self.starts)
+            else:
+                leak = "no mask (causal attention over the whole row)"
+        else:
+            leak = _mask_leak(mask, self.pairs, self.starts.shape)
+        if leak is None:
+            return
+        hint = "" if self.positions else (
+            " (this call has no position_ids, so positions run on across the row: pass "
+            "collators.PackedCollator's, which restart at 0 for every conversation)"
+        )
+        raise ValueError(
+            f"packed batches are not exact on model_type={self.family!r} with "
+            f"attn_implementation={self.implementation!r}: decoder layer {name!r} gets {leak}, so "
+            f"a packed conversation attends to the one before it{hint}. Load the model with "
+            f"another attn_implementation (its first packed call is checked again), {UNPACKED}"
+        )
+
+
+def _padding(mask) -> bool:
+    """A tensor of fewer than 4 dimensions: a padding mask, which separates no sequences."""
+    return isinstance(mask, torch.Tensor) and mask.dim() < 4
+
+
+def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``GradientCheckpointingLayer`` modules of the decoder (of the whole model
+    where ``get_decoder`` finds none: some families' returns their head)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    roots = [model.get_decoder()] if hasattr(model, "get_decoder") else []
+    for root in roots + [model]:
+        layers: list[tuple[str, nn.Module]] = []
+        for name, module in root.named_modules():
+            inside = any(name.startswith(f"{outer}.") for outer, _ in layers)
+            if isinstance(module, GradientCheckpointingLayer) and not inside:
+                layers.append((name, module))
+        if layers:
+            return layers
+    return []
+
+
+def _bound_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The layer call's arguments by parameter name, its ``**kwargs`` merged in."""
+    signature = inspect.signature(layer.forward)
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return dict(kwargs)
+    arguments = {}
+    for key, value in bound.items():
+        if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        else:
+            arguments[key] = value
+    return arguments
+
+
+def _mask_leak(mask, pairs, shape: tuple[int, int]) -> str | None:
+    """What in ``mask`` (4-D, ``BlockMask`` or a mapping of them) lets a boundary query see the
+    sequence before it, as the attention reads it; None when every pair is masked."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, queries, keys = pairs
+    if isinstance(mask, Mapping):  # one per kind of mixing (ZAYA): the attention masks are read
+        masks = [m for m in mask.values() if m is not None and not _padding(m)]
+        leaks = [_mask_leak(value, pairs, shape) for value in masks]
+        return next((leak for leak in leaks if leak is not None), None)
+    if isinstance(mask, BlockMask):
+        visible = _block_mask_visible(mask, rows, queries, keys)
+    elif isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        if tuple(mask.shape[-2:]) != (shape[1], shape[1]) or mask.shape[0] not in (1, shape[0]):
+            return f"a mask of shape {tuple(mask.shape)} for rows of {shape[1]} tokens"
+        device = mask.device
+        batch = rows.to(device) if mask.shape[0] > 1 else 0
+        values = mask[batch, :, queries.to(device), keys.to(device)]  # (P, heads)
+        if values.dtype == torch.bool:
+            visible = values == mask[batch, :, queries.to(device), queries.to(device)]
+        else:
+            visible = values > MASKED_BELOW
+    else:
+        return f"an attention mask of type {type(mask).__name__} that cannot be read"
+    seen = visible.any(1).nonzero()
+    if not len(seen):
+        return None
+    pair = int(seen[0, 0])
+    return (
+        f"a mask that lets query {int(queries[pair])} of row {int(rows[pair])} see key "
+        f"{int(keys[pair])} of the sequence before"
+    )
+
+
+def _block_mask_visible(mask, rows, queries, keys) -> torch.Tensor:
+    """``(P, H)`` bool: each pair attended under a flex ``BlockMask`` (in a full block, or in a
+    partial block where ``mask_mod`` allows it)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    device = mask.kv_num_blocks.device
+    rows, queries, keys = rows.to(device), queries.to(device), keys.to(device)
+    batch = rows if mask.kv_num_blocks.shape[0] > 1 else torch.zeros_like(rows)
+    query_blocks, key_blocks = queries // mask.BLOCK_SIZE[0], keys // mask.BLOCK_SIZE[1]
+
+    def listed(counts, indices, head):  # the key block is among the query block's first counts
+        if counts is None:
+            return torch.zeros_like(rows, dtype=torch.bool)
+        blocks = indices[batch, head, query_blocks]  # (P, max blocks)
+        slots = torch.arange(blocks.shape[1], device=device)
+        used = slots < counts[batch, head, query_blocks][:, None]
+        return ((blocks == key_blocks[:, None]) & used).any(1)
+
+    heads = []
+    for head in range(mask.kv_num_blocks.shape[1]):
+        with TransformGetItemToIndex():  # how flex itself evaluates a mask_mod on index tensors
+            allowed = torch.vmap(mask.mask_mod)(batch, torch.full_like(rows, head), queries, keys)
+        partial = listed(mask.kv_num_blocks, mask.kv_indices, head) & allowed
+        heads.append(partial | listed(mask.full_kv_num_blocks, mask.full_kv_indices, head))
+    return torch.stack(heads, 1)
+
+
+def _flash_leak(arguments: dict, starts: torch.Tensor) -> str | None:
+    """Why flash attention at this layer is not every conversation alone, or None.
+
+    Its sequences come from the layer call's varlen keywords, else from the ``position_ids`` of
+    a single row. No mask shows the positions: they are read from the rotary
+    ``position_embeddings`` the layer gets, which must be those of position 0 at every start (a
+    family with absolute position embeddings adds them before the layers, where none can tell).
+    """
+    varlen = (CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K)
+    if all(arguments.get(key) is not None for key in varlen):
+        found = torch.zeros(starts.numel(), dtype=torch.bool, device=starts.device)
+        cu = arguments[CU_SEQ_LENS_Q].to(device=starts.device, dtype=torch.int64)
+        found[cu[(cu > 0) & (cu < starts.numel())]] = True
+        split = found.view(starts.shape)
+        what = "cu_seq_lens_q that do not split every sequence"
+    elif isinstance(arguments.get(POSITION_IDS), torch.Tensor) and starts.shape[0] == 1:
+        split = _restarts(arguments[POSITION_IDS].to(starts.device), starts.shape)
+        what = "position_ids that do not restart at every sequence"
+    else:
+        return "neither varlen keywords nor the position_ids of a single row"
+    if bool((starts & ~split).any()):
+        return what
+    rotary = arguments.get("position_embeddings")
+    if not (isinstance(rotary, (tuple, list)) and rotary and all(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
+        for t in rotary
+    )):
+        return "no rotary position_embeddings to check its positions by"
+    rows, columns = starts.nonzero(as_tuple=True)
+    for table in rotary:  # (B or 1, T, D)
+        batch = rows.to(table.device) if table.shape[0] > 1 else 0
+        at_start = table[batch, columns.to(table.device)]
+        if not torch.equal(at_start, table[batch, 0].expand_as(at_start)):
+            return "rotary position_embeddings that do not restart at every sequence"
+    return None
