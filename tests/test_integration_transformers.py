@@ -330,3 +330,16 @@ def test_triton_backend_through_the_interpreter(inplace_backward):
     actual_loss, actual_grads = loss_and_gradients(model, model_loss(batch))
     assert_loss_close(actual_loss, expected_loss)
     assert_gradients_close(actual_grads, expected_grads)
+
+
+def test_a_family_that_never_calls_its_loss_function_is_refused():
+    """BART-style causal LMs compute their own token mean and never call ``self.loss_function``:
+    with labels, even on an unpacked batch, the packed forward raises naming the family instead of
+    returning a loss apply_packed_loss did not make."""
+    from packed_ce.integrations import tiny_causal_lm
+
+    model = apply_packed_loss(tiny_causal_lm(96, model_type="bart", attn_implementation="eager"))
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="model_type='bart'.* without calling its loss_function"):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    assert model(input_ids=ids, use_cache=False).logits.shape == (2, 9, 96)  # without labels: its logits

@@ -185,10 +185,19 @@ def make_forward(model: nn.Module) -> Callable:
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             with start_audit(self, installation, args, kwargs):
-                if not fused or args or labels is None or not self.training:
-                    return _own_forward(self, installation)(*args, **kwargs)
-                return _fused_linear_forward(self, installation, kwargs)
+                if fused and not args and labels is not None and self.training:
+                    return _fused_linear_forward(self, installation, kwargs)
+                calls = installation.loss.calls
+                output = _own_forward(self, installation)(*args, **kwargs)
         finally:
             _running.depth -= 1
+        if labels is not None and installation.loss.calls == calls:
+            raise ValueError(
+                f"{type(self).__name__} (model_type={self.config.model_type!r}) computed its loss "
+                "without calling its loss_function, so apply_packed_loss cannot change it: compute "
+                "the loss from its logits with packed_ce.cross_entropy(..., is_packed=True, "
+                "shift=True) and call it without labels"
+            )
+        return output
 
     return forward.__get__(model)

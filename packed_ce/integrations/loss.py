@@ -74,6 +74,7 @@ class PackedCausalLMLoss:
             backend=backend,
             validate=validate,
         )
+        self.calls = 0  # model calls that computed their loss here (the fused one included)
         self.token_stats: TokenStats | None = None
         self.seq_losses: SequenceLosses | None = None
 
@@ -155,6 +156,7 @@ class PackedCausalLMLoss:
         Returns:
             0-d float32 loss.
         """
+        self.calls += 1
         want_stats, want_seq = bool(kwargs.get(TOKEN_STATS_KEY)), bool(kwargs.get(SEQ_LOSSES_KEY))
         targets, boundaries, options = self.loss_inputs(
             labels, logits.device, shift_labels, num_items_in_batch, kwargs,
