@@ -1,5 +1,4 @@
-"""Every ``python`` code block of README.md and docs/reference.md runs as written, so that none
-can rot.
+"""Every ``python`` code block of README.md and docs/*.md runs as written, so that none can rot.
 
 Each block runs alone (a fresh namespace, a temporary working directory), on the CPU, as a
 reader would paste it. Signature listings are ``text`` blocks and are not run.
@@ -19,9 +18,10 @@ import pytest
 import collators
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [
     block
-    for doc in (ROOT / "README.md", ROOT / "docs" / "reference.md")
+    for doc in DOCS
     for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(), flags=re.S | re.M)
 ]
 
@@ -57,7 +57,8 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
         assert done.returncode == 0, done.stderr[-3000:]
         # the context-parallel script prints its ranks' loss and the one-process loss of the row
         compared = re.search(r"ranks: ([\d.]+), one process: ([\d.]+)", done.stdout)
-        assert compared is None or compared.group(1) == compared.group(2), done.stdout
+        # float32: the ranks' shares add up in another order than one process's sum (1e-6 relative)
+        assert compared is None or abs(float(compared.group(1)) / float(compared.group(2)) - 1) < 1e-6, done.stdout
         return
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
@@ -95,15 +96,20 @@ def _github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_readme_links_reach_their_targets():
-    """Every relative link of the README names a file that exists and, with ``#anchor``, one of
-    its headings (reference material moves between the two pages)."""
-    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", (ROOT / "README.md").read_text())
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.name)
+def test_readme_links_reach_their_targets(doc):
+    """Every relative link of the README and the docs names a file that exists and, with
+    ``#anchor``, one of its headings (reference material moves between the pages)."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", doc.read_text())
     local = [(path, anchor) for path, anchor in links if "://" not in path]
-    assert any(anchor for _, anchor in local)
     for path, anchor in local:
-        target = ROOT / path
+        target = (doc.parent / path).resolve()
         assert target.exists(), path
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), flags=re.M)
             assert anchor in {_github_anchor(h) for h in headings}, f"{path}#{anchor}"
+
+
+def test_the_readme_reads_in_one_sitting():
+    """At most 250 lines: reference material lives in docs/ and benchmarks/README.md."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
