@@ -9,9 +9,10 @@
 #                                              attention and the trainers (integration, QLoRA,
 #                                              DDP / FSDP2 / ZeRO-3) when their packages are there
 #   context_parallel_profile_2x<card>.jsonl    bench_context_parallel.py --mode profile at 65,536
-#                                              tokens: one GPU, two GPUs balanced, two GPUs zigzag
+#                                              tokens: one GPU, two GPUs (SHARDINGS: balanced,
+#                                              and zigzag with SHARDINGS="balanced zigzag")
 #   context_parallel_throughput_2x<card>.jsonl --mode throughput: one GPU against two at 65,536
-#                                              and 196,608 tokens (and the zigzag at 65,536)
+#                                              and 196,608 tokens
 # Every phase has a time limit, so that the logs are written whatever happens.
 set -u
 out=${1:?usage: bash benchmarks/gpu_context_parallel.sh DIR [tests] [profile] [throughput]}
@@ -43,7 +44,7 @@ fi
 if [[ $phases == *profile* ]]; then
     jsonl=$out/context_parallel_profile_2x$card.jsonl
     one 0 150 "${bench[@]}" --mode profile --lengths 65536 --warmup 2 --steps 2 --out "$jsonl"
-    for sharding in balanced zigzag; do
+    for sharding in ${SHARDINGS:-balanced}; do
         two 150 "${bench[@]}" --mode profile --sharding $sharding --lengths 65536 --warmup 2 --steps 2 \
             --out "$jsonl"
     done
@@ -57,8 +58,6 @@ if [[ $phases == *throughput* ]]; then
     wait
     two 150 "${bench[@]}" --mode throughput --lengths 65536 --warmup 2 --steps 6 --out "$jsonl"
     two 200 "${bench[@]}" --mode throughput --lengths 196608 --warmup 1 --steps 4 --out "$jsonl"
-    two 150 "${bench[@]}" --mode throughput --sharding zigzag --lengths 65536 --warmup 2 --steps 6 \
-        --out "$jsonl"
 fi >"$out/context_parallel_throughput_2x$card.log" 2>&1
 
 tail -n 4 "$out"/*.log
