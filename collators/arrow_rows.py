@@ -42,8 +42,12 @@ class TokenColumn:
 
         column = table.column(name)
         value_type = getattr(column.type, "value_type", None)
-        if value_type is None or not (pa.types.is_integer(value_type) or pa.types.is_null(value_type)):
-            raise TypeError(f"`dataset` column {name!r} must hold lists of ints, got {column.type}.")
+        if value_type is None or not (
+            pa.types.is_integer(value_type) or pa.types.is_null(value_type)
+        ):
+            raise TypeError(
+                f"`dataset` column {name!r} must hold lists of ints, got {column.type}."
+            )
         if column.null_count:
             raise ValueError(f"`dataset` column {name!r} has {column.null_count} missing rows.")
         self.offsets: list[np.ndarray] = []  # per chunk: (rows + 1,) int32/int64 view
@@ -52,14 +56,20 @@ class TokenColumn:
             # ``offsets`` accounts for a sliced chunk and indexes ``values``, the whole array behind it.
             values = chunk.values
             if values.null_count:
-                raise ValueError(f"`dataset` column {name!r} has {values.null_count} missing tokens.")
+                raise ValueError(
+                    f"`dataset` column {name!r} has {values.null_count} missing tokens."
+                )
             self.offsets.append(chunk.offsets.to_numpy())
             self.values.append(_NO_TOKENS if pa.types.is_null(values.type) else values.to_numpy())
         counts = [len(offsets) - 1 for offsets in self.offsets]
-        self.lengths = np.concatenate([np.diff(o) for o in self.offsets] or [_NO_TOKENS]).astype(np.int64)
+        self.lengths = np.concatenate([np.diff(o) for o in self.offsets] or [_NO_TOKENS]).astype(
+            np.int64
+        )
         # Where each row's tokens start: its chunk and its first value there. (C,) each.
         self.row_chunk = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
-        self.row_start = np.concatenate([o[:-1] for o in self.offsets] or [_NO_TOKENS]).astype(np.int64)
+        self.row_start = np.concatenate([o[:-1] for o in self.offsets] or [_NO_TOKENS]).astype(
+            np.int64
+        )
 
     def blocks(self):
         """``(first_row, tokens, lengths)`` for consecutive rows of about ``BLOCK_TOKENS`` tokens (a longer row is
@@ -70,7 +80,11 @@ class TokenColumn:
             marks = np.arange(offsets[0], offsets[-1], BLOCK_TOKENS)
             cuts = np.unique(np.concatenate((np.searchsorted(offsets[:-1], marks), [0, num_rows])))
             for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-                yield first_row + a, values[offsets[a] : offsets[b]], np.diff(offsets[a : b + 1]).astype(np.int64)
+                yield (
+                    first_row + a,
+                    values[offsets[a] : offsets[b]],
+                    np.diff(offsets[a : b + 1]).astype(np.int64),
+                )
             first_row += num_rows
 
     def gather(self, rows: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -94,7 +108,9 @@ def list_array(bounds: np.ndarray, values):
     return pa.LargeListArray.from_arrays(pa.array(bounds), values)
 
 
-def scan_tokens(input_ids: TokenColumn, labels: TokenColumn, kept: np.ndarray, ignore_index: int) -> np.ndarray:
+def scan_tokens(
+    input_ids: TokenColumn, labels: TokenColumn, kept: np.ndarray, ignore_index: int
+) -> np.ndarray:
     """Checks every token (ids >= 0, labels >= 0 or ``ignore_index``) and counts the targets of each row within its
     first ``kept`` tokens (see ``targets_per_sequence``), one block at a time.
 
@@ -117,7 +133,9 @@ class _FillRows:
     Pickled for ``num_proc`` workers without its views: each builds its own.
     """
 
-    def __init__(self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None):
+    def __init__(
+        self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None
+    ):
         self.dataset = dataset
         self.ignore_index = ignore_index
         self.columns = columns  # (input_ids, labels) of ``dataset``, built when None
@@ -134,20 +152,36 @@ class _FillRows:
             self.columns = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
         pieces = batch.column(SEQ_LENGTHS).combine_chunks()
         length = pc.list_flatten(pieces).to_numpy().astype(np.int64)
-        source, offset = (pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in PIECE_COLUMNS)
+        source, offset = (
+            pc.list_flatten(batch.column(n).combine_chunks()).to_numpy() for n in PIECE_COLUMNS
+        )
         input_ids, labels = (column.gather(source, offset, length) for column in self.columns)
         # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
         labels[(np.cumsum(length) - length)[offset > 0]] = self.ignore_index
         per_row = pc.list_value_length(pieces).to_numpy().astype(np.int64)
-        token_bounds = np.concatenate(([0], np.cumsum(length)))[np.concatenate(([0], np.cumsum(per_row)))]
-        columns = {INPUT_IDS: list_array(token_bounds, pa.array(input_ids)),
-                   LABELS: list_array(token_bounds, pa.array(labels))}
+        token_bounds = np.concatenate(([0], np.cumsum(length)))[
+            np.concatenate(([0], np.cumsum(per_row)))
+        ]
+        columns = {
+            INPUT_IDS: list_array(token_bounds, pa.array(input_ids)),
+            LABELS: list_array(token_bounds, pa.array(labels)),
+        }
         columns.update((n, batch.column(n)) for n in batch.column_names if n not in PIECE_COLUMNS)
         return pa.table(columns)
 
 
-def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, fingerprint: str, max_length: int,
-               ignore_index: int, cache_file_name: str | None, num_proc: int | None, load_from_cache_file: bool | None):
+def write_rows(
+    dataset,
+    columns: tuple[TokenColumn, TokenColumn],
+    plan,
+    *,
+    fingerprint: str,
+    max_length: int,
+    ignore_index: int,
+    cache_file_name: str | None,
+    num_proc: int | None,
+    load_from_cache_file: bool | None,
+):
     """The packed rows: ``plan``'s rows (``_conversation``, ``_offset``, ``seq_lengths``, then the columns carried to
     them) with ``input_ids`` and ``labels`` filled in from ``dataset``, written with ``datasets.Dataset.map``.
 
@@ -159,7 +193,10 @@ def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, finge
         cache_file_name, num_proc, load_from_cache_file: as in ``pack_dataset``.
     """
     import datasets
-    from datasets.fingerprint import generate_random_fingerprint, get_temporary_cache_files_directory
+    from datasets.fingerprint import (
+        generate_random_fingerprint,
+        get_temporary_cache_files_directory,
+    )
 
     if cache_file_name is not None and not cache.reusable(cache_file_name, fingerprint):
         load_from_cache_file = False  # removed: written for other inputs
@@ -168,25 +205,33 @@ def write_rows(dataset, columns: tuple[TokenColumn, TokenColumn], plan, *, finge
         # caching is off, as ``datasets`` does.
         enabled = datasets.is_caching_enabled()
         folder = os.path.dirname(dataset.cache_files[0]["filename"]) if enabled else None
-        cache_file_name = os.path.join(folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow")
+        cache_file_name = os.path.join(
+            folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow"
+        )
     fill = _FillRows(dataset, ignore_index, columns)
     if plan.num_rows == 0:  # ``map`` would call nothing and return no column
         return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
-    rows = datasets.Dataset(datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint())
+    rows = datasets.Dataset(
+        datasets.table.InMemoryTable(plan), fingerprint=generate_random_fingerprint()
+    )
     batch_size = max(1, BATCH_TOKENS // max_length)
     with progress_unit(" rows"):
-        rows = rows.with_format("arrow").map(
-            fill,
-            batched=True,
-            batch_size=batch_size,
-            writer_batch_size=batch_size,
-            remove_columns=rows.column_names,
-            new_fingerprint=fingerprint,
-            cache_file_name=cache_file_name,
-            num_proc=num_proc,
-            load_from_cache_file=load_from_cache_file,
-            desc="Packing",
-        ).with_format(None)
+        rows = (
+            rows.with_format("arrow")
+            .map(
+                fill,
+                batched=True,
+                batch_size=batch_size,
+                writer_batch_size=batch_size,
+                remove_columns=rows.column_names,
+                new_fingerprint=fingerprint,
+                cache_file_name=cache_file_name,
+                num_proc=num_proc,
+                load_from_cache_file=load_from_cache_file,
+                desc="Packing",
+            )
+            .with_format(None)
+        )
     if cache_file_name is not None and rows.cache_files:
         cache.record(cache_file_name, fingerprint)
     return rows

@@ -26,9 +26,13 @@ def _files(path: str) -> list[str]:
     stem, ext = os.path.splitext(name)
     found = [path] if os.path.exists(path) else []
     if os.path.isdir(folder):
-        found += [os.path.join(folder, other) for other in sorted(os.listdir(folder))
-                  if other.startswith(stem) and other.endswith(ext)
-                  and _SHARD.fullmatch(other[len(stem) : len(other) - len(ext)])]
+        found += [
+            os.path.join(folder, other)
+            for other in sorted(os.listdir(folder))
+            if other.startswith(stem)
+            and other.endswith(ext)
+            and _SHARD.fullmatch(other[len(stem) : len(other) - len(ext)])
+        ]
     return found
 
 
@@ -54,6 +58,8 @@ def reusable(path: str, key: str) -> bool:
 def record(path: str, key: str) -> None:
     """Record that the cache at ``path`` was written for ``key`` (written then renamed: never half a key)."""
     folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8") as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8"
+    ) as handle:
         handle.write(key)
     os.replace(handle.name, _key_file(path))

@@ -91,12 +91,18 @@ def tokenize_conversation(
     render_kwargs = dict(template_kwargs, tools=tools, chat_template=chat_template)
     if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
         encoding = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **render_kwargs
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **render_kwargs,
         )
         input_ids = list(encoding[INPUT_IDS])
         labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
     else:
-        input_ids, labels = _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index)
+        input_ids, labels = _label_by_rendering(
+            tokenizer, messages, assistant_turns, render_kwargs, ignore_index
+        )
 
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
@@ -161,7 +167,9 @@ def tokenize_dataset(
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
-        raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
+        raise ValueError(
+            f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}."
+        )
     taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
     if taken:
         raise ValueError(
@@ -172,7 +180,11 @@ def tokenize_dataset(
         out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         for messages in batch[messages_column]:
             example = tokenize_conversation(
-                tokenizer, messages, max_length=max_length, skip_no_assistant=skip_no_assistant, **kwargs
+                tokenizer,
+                messages,
+                max_length=max_length,
+                skip_no_assistant=skip_no_assistant,
+                **kwargs,
             )
             out["_kept"].append(example is not None)
             out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
@@ -181,21 +193,39 @@ def tokenize_dataset(
 
     # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
     template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
-    key = Hasher.hash((getattr(dataset, "_fingerprint", None), tokenizer, template, max_length, messages_column,
-                       skip_no_assistant, sorted(kwargs.items()), LABELS_VERSION))
+    key = Hasher.hash(
+        (
+            getattr(dataset, "_fingerprint", None),
+            tokenizer,
+            template,
+            max_length,
+            messages_column,
+            skip_no_assistant,
+            sorted(kwargs.items()),
+            LABELS_VERSION,
+        )
+    )
     if cache_file_name is not None and not cache.reusable(cache_file_name, key):
         load_from_cache_file = False  # removed: written for other inputs
     with progress_unit(" conversations"):
         tokenized = dataset.map(
-            tokenize_batch, batched=True, remove_columns=[messages_column], num_proc=num_proc, desc="Tokenizing",
-            new_fingerprint=key, cache_file_name=cache_file_name, load_from_cache_file=load_from_cache_file,
+            tokenize_batch,
+            batched=True,
+            remove_columns=[messages_column],
+            num_proc=num_proc,
+            desc="Tokenizing",
+            new_fingerprint=key,
+            cache_file_name=cache_file_name,
+            load_from_cache_file=load_from_cache_file,
         )
     if cache_file_name is not None:
         cache.record(cache_file_name, key)
     kept = tokenized["_kept"]
     num_skipped = len(kept) - sum(kept)
     if num_skipped:
-        logger.warning("Skipped %d of %d conversations that have no assistant turn.", num_skipped, len(kept))
+        logger.warning(
+            "Skipped %d of %d conversations that have no assistant turn.", num_skipped, len(kept)
+        )
         tokenized = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
     return tokenized.remove_columns("_kept")
 
@@ -212,13 +242,21 @@ def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
 
 
 def _check_messages(messages) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError("`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    if (
+        isinstance(messages, (str, bytes))
+        or not isinstance(messages, Sequence)
+        or len(messages) == 0
+    ):
+        raise ValueError(
+            "`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts."
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError(f"`messages[{index}]` has no 'role': {message!r}")
         if message.get("content") is None and not message.get("tool_calls"):
-            raise ValueError(f"`messages[{index}]` has no 'content' (nor 'tool_calls'): {message!r}")
+            raise ValueError(
+                f"`messages[{index}]` has no 'content' (nor 'tool_calls'): {message!r}"
+            )
 
 
 def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = False) -> str:
@@ -256,7 +294,9 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
                 last = specials[-1]
         else:
             start, end = _content_chars(tokenizer, messages, turn, text, render_kwargs)
-            first, last = _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn)
+            first, last = _content_and_closing_tokens(
+                text, offsets, token_at, is_special, start, end, turn
+            )
         labels[first : last + 1] = input_ids[first : last + 1]
     return input_ids, labels
 
@@ -266,7 +306,11 @@ def _turn_span(tokenizer, messages, turn, text, render_kwargs):
     if turn == 0:
         return None
     head = _render(tokenizer, messages[:turn], render_kwargs, add_generation_prompt=True)
-    body = text if turn == len(messages) - 1 else _render(tokenizer, messages[: turn + 1], render_kwargs)
+    body = (
+        text
+        if turn == len(messages) - 1
+        else _render(tokenizer, messages[: turn + 1], render_kwargs)
+    )
     if not (body.startswith(head) and text.startswith(body)) or len(body) == len(head):
         return None
     return len(head), len(body)
@@ -289,7 +333,9 @@ def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int,
     return start, len(text) - suffix
 
 
-def _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn) -> tuple[int, int]:
+def _content_and_closing_tokens(
+    text, offsets, token_at, is_special, start, end, turn
+) -> tuple[int, int]:
     if end > start:
         first, last = _tokens_in(token_at, start, end)
         probe = last + 1

@@ -39,11 +39,15 @@ def token_array(value, name: str) -> np.ndarray:
     if array.ndim == 2 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 1:
-        raise ValueError(f"`{name}` must be 1-D (or one row of shape (1, T)), got shape {tuple(array.shape)}.")
+        raise ValueError(
+            f"`{name}` must be 1-D (or one row of shape (1, T)), got shape {tuple(array.shape)}."
+        )
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
-        raise TypeError(f"`{name}` must hold ints, got dtype {array.dtype}: convert it, e.g. to a list of ints.")
+        raise TypeError(
+            f"`{name}` must hold ints, got dtype {array.dtype}: convert it, e.g. to a list of ints."
+        )
     return array.astype(np.int64, copy=False)
 
 
@@ -98,7 +102,9 @@ def weight_array(values, name: str) -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"`{name}` must be 1-D, got shape {tuple(array.shape)}.")
     if array.size and array.dtype == object:  # Python ints beyond int64 (10**400), or not numbers
-        return np.array([conversation_weight(value, f"{name}[{i}]") for i, value in enumerate(array)])
+        return np.array(
+            [conversation_weight(value, f"{name}[{i}]") for i, value in enumerate(array)]
+        )
     if array.size and array.dtype.kind not in "iuf":
         raise TypeError(f"`{name}` must hold real numbers, got dtype {array.dtype}.")
     with np.errstate(over="ignore"):  # a long double beyond float64 becomes inf: named below
@@ -108,7 +114,9 @@ def weight_array(values, name: str) -> np.ndarray:
         index = int(np.flatnonzero(bad)[0])
         if converted[index] == np.inf and np.isfinite(array[index]):
             raise _beyond_float64(array[index], f"{name}[{index}]")
-        raise ValueError(f"`{name}` must be finite and >= 0, got {converted[index]} at index {index}.")
+        raise ValueError(
+            f"`{name}` must be finite and >= 0, got {converted[index]} at index {index}."
+        )
     return converted
 
 

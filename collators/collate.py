@@ -20,8 +20,16 @@ import torch
 
 from .checks import check_tokens, positive_int, targets_per_sequence, token_array
 from .columns import (
-    ATTENTION_MASK, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, MAX_SEQLEN, NUM_SEQUENCES, POSITION_IDS,
-    SEQ_LENGTHS, SEQUENCE_COLUMNS,
+    ATTENTION_MASK,
+    CU_SEQLENS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    MAX_SEQLEN,
+    NUM_SEQUENCES,
+    POSITION_IDS,
+    SEQ_LENGTHS,
+    SEQUENCE_COLUMNS,
 )
 
 
@@ -41,10 +49,18 @@ def _example(example, index: int, ignore_index: int) -> _Example:
     if not isinstance(example, Mapping) or INPUT_IDS not in example:
         raise TypeError(f"`{name}` must be a dict with 'input_ids', got {type(example).__name__}.")
     input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
-    labels = input_ids if example.get(LABELS) is None else token_array(example[LABELS], f"{name}['labels']")
+    labels = (
+        input_ids
+        if example.get(LABELS) is None
+        else token_array(example[LABELS], f"{name}['labels']")
+    )
     check_tokens(input_ids, labels, ignore_index, name)
     lengths = example.get(SEQ_LENGTHS)
-    lengths = np.array([len(input_ids)]) if lengths is None else token_array(lengths, f"{name}['seq_lengths']")
+    lengths = (
+        np.array([len(input_ids)])
+        if lengths is None
+        else token_array(lengths, f"{name}['seq_lengths']")
+    )
     if len(labels) != len(input_ids) or lengths.sum() != len(input_ids) or (lengths < 0).any():
         raise ValueError(
             f"`{name}` has {len(input_ids)} input_ids, {len(labels)} labels and seq_lengths {lengths.tolist()}: "
@@ -59,7 +75,9 @@ def example_values(example: Mapping, index: int, count: int) -> dict:
     return {column.key: column.of_example(example, index, count) for column in SEQUENCE_COLUMNS}
 
 
-def sequence_columns(values: Sequence[dict], counts: Sequence[int], own: np.ndarray | None = None) -> dict:
+def sequence_columns(
+    values: Sequence[dict], counts: Sequence[int], own: np.ndarray | None = None
+) -> dict:
     """Each ``SEQUENCE_COLUMNS`` key's values over a batch's sequences, for the columns the batch carries.
 
     Args:
@@ -80,7 +98,9 @@ def sequence_columns(values: Sequence[dict], counts: Sequence[int], own: np.ndar
         has = [part is not None for part in given]
         if not any(has) and (column.absent != "count" or own is None):
             continue
-        if not all(has) and (column.absent == "refuse" or (column.absent == "count" and own is None)):
+        if not all(has) and (
+            column.absent == "refuse" or (column.absent == "count" and own is None)
+        ):
             index = has.index(not has[0])
             raise ValueError(
                 f"`examples[{index}]` {'has' if has[index] else 'lacks'} {column.what}s, unlike `examples[0]`: give "
@@ -108,7 +128,9 @@ def sequence_columns(values: Sequence[dict], counts: Sequence[int], own: np.ndar
         else:
             parts = np.concatenate(parts).astype(column.dtype)
         if column.absent == "count":
-            parts = np.maximum(parts, 1)  # a sequence without targets: nothing to weigh, a finite divisor
+            parts = np.maximum(
+                parts, 1
+            )  # a sequence without targets: nothing to weigh, a finite divisor
         columns[column.key] = parts
     return columns
 
@@ -217,29 +239,44 @@ class PackedCollator(_Collator):
         Each example: ``input_ids``, optionally ``labels`` (default: all trained), ``seq_lengths`` (default: one
         sequence), ``seq_targets`` / ``seq_weights`` / ``seq_sources`` or one conversation's ``weight`` / ``source``.
         """
-        parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
+        parts = [
+            _example(example, index, self.ignore_index) for index, example in enumerate(examples)
+        ]
         if not parts:
             raise ValueError("`examples` is empty.")
         input_ids = np.concatenate([part.input_ids for part in parts])
         labels = np.concatenate([part.labels for part in parts])
         lengths = np.concatenate([part.lengths for part in parts])
         own = targets_per_sequence(labels, lengths, self.ignore_index)
-        columns = sequence_columns([part.values for part in parts], [len(part.lengths) for part in parts], own)
+        columns = sequence_columns(
+            [part.values for part in parts], [len(part.lengths) for part in parts], own
+        )
         # Empty sequences have no token to carry a position, a boundary or a value.
         nonempty = lengths > 0
         lengths = lengths[nonempty]
-        columns = {key: values[nonempty] if isinstance(values, np.ndarray) else
-                   [value for value, keep in zip(values, nonempty) if keep] for key, values in columns.items()}
+        columns = {
+            key: values[nonempty]
+            if isinstance(values, np.ndarray)
+            else [value for value, keep in zip(values, nonempty) if keep]
+            for key, values in columns.items()
+        }
         if lengths.size == 0:
             raise ValueError("`examples` holds no token.")
 
         num_padding = -len(input_ids) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
         if num_padding:
-            input_ids = np.concatenate((input_ids, np.full(num_padding, self.pad_token_id, dtype=np.int64)))
-            labels = np.concatenate((labels, np.full(num_padding, self.ignore_index, dtype=np.int64)))
+            input_ids = np.concatenate(
+                (input_ids, np.full(num_padding, self.pad_token_id, dtype=np.int64))
+            )
+            labels = np.concatenate(
+                (labels, np.full(num_padding, self.ignore_index, dtype=np.int64))
+            )
             lengths = np.append(lengths, num_padding)
-            columns = {column.key: column.padded(columns[column.key]) for column in SEQUENCE_COLUMNS
-                       if column.key in columns}
+            columns = {
+                column.key: column.padded(columns[column.key])
+                for column in SEQUENCE_COLUMNS
+                if column.key in columns
+            }
 
         cu_seqlens = np.concatenate(([0], np.cumsum(lengths)))
         starts = cu_seqlens[:-1]
@@ -260,7 +297,10 @@ class PackedCollator(_Collator):
         batch.update(_as_batch(columns))
         if self.return_varlen_kwargs:
             batch.update(
-                cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=max_seqlen,
+                max_length_k=max_seqlen,
             )
         return batch
 
@@ -298,14 +338,20 @@ class PaddedCollator(_Collator):
     _FIELDS = ("pad_token_id", "pad_to_multiple_of", "ignore_index")
 
     def __init__(
-        self, pad_token_id: int = 0, *, pad_to_multiple_of: int | None = None, ignore_index: int = IGNORE_INDEX
+        self,
+        pad_token_id: int = 0,
+        *,
+        pad_to_multiple_of: int | None = None,
+        ignore_index: int = IGNORE_INDEX,
     ):
         _Collator.__init__(self, pad_to_multiple_of, pad_token_id, ignore_index)
 
     def __call__(self, examples: Sequence[Mapping]) -> dict:
         """Collate ``examples``, one conversation each: dicts with ``input_ids`` and optionally ``labels``,
         ``seq_targets`` / ``seq_weights`` (one entry, as in a row of ``pack_dataset``) or ``weight``."""
-        parts = [_example(example, index, self.ignore_index) for index, example in enumerate(examples)]
+        parts = [
+            _example(example, index, self.ignore_index) for index, example in enumerate(examples)
+        ]
         if not parts:
             raise ValueError("`examples` is empty.")
         for row, part in enumerate(parts):
@@ -324,7 +370,9 @@ class PaddedCollator(_Collator):
             input_ids[row, :length] = part.input_ids
             labels[row, 1:length] = part.labels[1:]
             attention_mask[row, :length] = 1
-        own = targets_per_sequence(labels.reshape(-1), np.full(len(parts), width), self.ignore_index)
+        own = targets_per_sequence(
+            labels.reshape(-1), np.full(len(parts), width), self.ignore_index
+        )
         batch = {
             INPUT_IDS: torch.from_numpy(input_ids),
             ATTENTION_MASK: torch.from_numpy(attention_mask),
@@ -332,11 +380,15 @@ class PaddedCollator(_Collator):
             CU_SEQLENS: torch.arange(len(parts) + 1, dtype=torch.int32) * width,
             NUM_SEQUENCES: int((labels != self.ignore_index).any(axis=1).sum()),
         }
-        batch.update(_as_batch(sequence_columns([part.values for part in parts], [1] * len(parts), own)))
+        batch.update(
+            _as_batch(sequence_columns([part.values for part in parts], [1] * len(parts), own))
+        )
         return batch
 
 
 def _as_batch(columns: dict) -> dict:
     """``sequence_columns``' values as a batch holds them: tensors of the column's ``dtype``, or lists."""
-    return {key: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
-            for key, values in columns.items()}
+    return {
+        key: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
+        for key, values in columns.items()
+    }

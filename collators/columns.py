@@ -53,7 +53,6 @@ SHARD = "context_parallel_shard"
 EXAMPLE_TOKENS = "example_tokens"
 
 
-
 def _check_source(value, name: str):
     if value is not None and not isinstance(value, str):
         raise TypeError(
@@ -113,9 +112,15 @@ class SequenceColumn:
         """Per-sequence ``values`` (a sequence, array or tensor) checked: a ``dtype`` array, or a list."""
         if torch.is_tensor(values):
             values = values.detach().cpu().numpy()
-        array = np.asarray(values, dtype=object) if isinstance(values, (list, tuple, np.ndarray)) else None
+        array = (
+            np.asarray(values, dtype=object)
+            if isinstance(values, (list, tuple, np.ndarray))
+            else None
+        )
         if array is None or array.ndim != 1:
-            raise TypeError(f"`{name}` must be a list of one {self.what} per sequence, got {type(values).__name__}.")
+            raise TypeError(
+                f"`{name}` must be a list of one {self.what} per sequence, got {type(values).__name__}."
+            )
         if self.check_values is not None:
             return self.check_values(values, name).astype(self.dtype)
         values = [self.check(value, name) for value in array.tolist()]
@@ -129,13 +134,17 @@ class SequenceColumn:
         if values is not None:
             values = self.values(values, f"{name}[{self.key!r}]")
             if len(values) != count:
-                raise ValueError(f"`{name}[{self.key!r}]` must hold one {self.what} per sequence of `seq_lengths`.")
+                raise ValueError(
+                    f"`{name}[{self.key!r}]` must hold one {self.what} per sequence of `seq_lengths`."
+                )
             return values
         value = example.get(self.column) if self.column else None
         if value is None:
             return None
         if count != 1:
-            raise ValueError(f"`{name}` is a packed row: give its {self.what}s per sequence in {self.key!r}.")
+            raise ValueError(
+                f"`{name}` is a packed row: give its {self.what}s per sequence in {self.key!r}."
+            )
         values = [self.check(value, f"{name}[{self.column!r}]")]
         return values if self.dtype is None else np.array(values, dtype=self.dtype)
 
@@ -149,8 +158,16 @@ class SequenceColumn:
 
 
 TARGETS = SequenceColumn(None, SEQ_TARGETS, "int32", 1, "count", "target count", _check_count)
-WEIGHTS = SequenceColumn(WEIGHT_COLUMN, SEQ_WEIGHTS, "float64", 0.0, "refuse", "weight", conversation_weight,
-                         weight_array)
+WEIGHTS = SequenceColumn(
+    WEIGHT_COLUMN,
+    SEQ_WEIGHTS,
+    "float64",
+    0.0,
+    "refuse",
+    "weight",
+    conversation_weight,
+    weight_array,
+)
 SOURCES = SequenceColumn(SOURCE_COLUMN, SEQ_SOURCES, None, None, "pad", "source", _check_source)
 # Every per-sequence column of rows and batches, in the order rows carry them (the lengths first, before them).
 # seq_targets: a target count >= 1 in a batch (1 for a sequence without targets: a finite divisor);
@@ -177,7 +194,9 @@ ROW_COLUMNS = (
     *(column.column for column in SEQUENCE_COLUMNS if column.column),
 )
 # Float keys of a batch that are data, not activations: moved to the device in their own dtype.
-FLOAT_SEQUENCE_KEYS = tuple(c.key for c in SEQUENCE_COLUMNS if c.dtype and np.dtype(c.dtype).kind == "f")
+FLOAT_SEQUENCE_KEYS = tuple(
+    c.key for c in SEQUENCE_COLUMNS if c.dtype and np.dtype(c.dtype).kind == "f"
+)
 
 
 def datasets_of(argument) -> list:

@@ -66,13 +66,18 @@ def load_default_dataset(*, system_prompt: bool = True):
         if not turns:
             continue
         if system_prompt:
-            turns.insert(0, {"role": "system", "content": f"You are a friendly assistant. Topic: {category}."})
+            turns.insert(
+                0,
+                {"role": "system", "content": f"You are a friendly assistant. Topic: {category}."},
+            )
         rows["messages"].append(turns)
         rows["category"].append(category)
     return datasets.Dataset.from_dict(rows)
 
 
-def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None):
+def load_default_tokenizer(
+    *, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None
+):
     """A byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues, with a ChatML chat template.
 
     Deterministic, about a second, cached in ``cache_dir``, ``$PACKED_CE_CACHE`` or ``~/.cache/packed_ce``. Special
@@ -103,8 +108,12 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
     positive_int(vocab_size, "vocab_size", minimum=256 + len(_SPECIAL_TOKENS))
     require_demo_extra("load_default_tokenizer")
     corpus_version = metadata.version("chatterbot-corpus")
-    key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
-    root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")
+    key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[
+        :16
+    ]
+    root = Path(
+        cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce"
+    )
     path = root / f"chatterbot-bpe-{vocab_size}-{key}.json"
     if path.exists():
         backend = Tokenizer.from_file(str(path))
@@ -124,7 +133,11 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
 
 
 def load_messages_dataset(
-    name_or_path: str | os.PathLike, *, split: str = "train", messages_column: str = "messages", **kwargs
+    name_or_path: str | os.PathLike,
+    *,
+    split: str = "train",
+    messages_column: str = "messages",
+    **kwargs,
 ):
     """A data set in the ``messages`` format, from a local file or folder (``read_dataset``) or a hub name.
 
@@ -196,7 +209,9 @@ def read_dataset(name_or_path: str | os.PathLike, *, split: str = "train", **kwa
     else:
         dataset = _read_file(path, split, **kwargs)
     if dataset.num_rows == 0:
-        raise ValueError(f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty).")
+        raise ValueError(
+            f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty)."
+        )
     return dataset
 
 
@@ -211,7 +226,9 @@ def _read_file(path: Path, split: str, **kwargs):
             "save_to_disk)."
         )
     size = path.stat().st_size
-    if size == 0 or (builder == "json" and size < 4096 and not path.read_text(encoding="utf-8").strip()):
+    if size == 0 or (
+        builder == "json" and size < 4096 and not path.read_text(encoding="utf-8").strip()
+    ):
         raise ValueError(f"`name_or_path` {str(path)!r} is empty: it holds no conversation.")
     try:
         if builder == "arrow":
@@ -224,7 +241,9 @@ def _read_file(path: Path, split: str, **kwargs):
         if builder == "json":
             _raise_json_error(path, error)
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as {builder.title()}: {cause}") from error
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} could not be loaded as {builder.title()}: {cause}"
+        ) from error
 
 
 def _read_folder(path: Path, split: str, **kwargs):
@@ -234,18 +253,27 @@ def _read_folder(path: Path, split: str, **kwargs):
         saved = datasets.load_from_disk(str(path))
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
-                raise ValueError(f"`name_or_path` {str(path)!r} has no split {split!r}; its splits are {list(saved)}.")
+                raise ValueError(
+                    f"`name_or_path` {str(path)!r} has no split {split!r}; its splits are {list(saved)}."
+                )
             saved = saved[split]
         return saved
-    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.suffix in DATA_FILES
-             and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+    files = [
+        f
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
+        and f.suffix in DATA_FILES
+        and not any(part.startswith(".") for part in f.relative_to(path).parts)
+    ]
     formats = sorted({DATA_FILES[f.suffix] for f in files})
     if not files:
         raise ValueError(
             f"`name_or_path` {str(path)!r} holds no {_FORMATS} file, nor a data set saved with save_to_disk."
         )
     if len(formats) > 1:
-        raise ValueError(f"`name_or_path` {str(path)!r} mixes {' and '.join(formats)} files: keep one format.")
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} mixes {' and '.join(formats)} files: keep one format."
+        )
     try:
         return datasets.load_dataset(str(path), split=split, **kwargs)
     except Exception as error:
@@ -254,7 +282,19 @@ def _read_folder(path: Path, split: str, **kwargs):
 
 
 # Data and model files that a hub name never ends with.
-_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".yaml", ".yml", ".gz", ".zip")
+_FILE_SUFFIXES = (
+    ".json",
+    ".jsonl",
+    ".csv",
+    ".tsv",
+    ".parquet",
+    ".arrow",
+    ".txt",
+    ".yaml",
+    ".yml",
+    ".gz",
+    ".zip",
+)
 # A hub repository id: ``name`` or ``owner/name``.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
@@ -272,8 +312,14 @@ def local_path(name_or_path: str | os.PathLike, argument: str) -> Path | None:
     path = Path(text).expanduser()
     if path.exists():
         return path
-    if isinstance(name_or_path, os.PathLike) or not _HUB_ID.fullmatch(text) or text.lower().endswith(_FILE_SUFFIXES):
-        raise FileNotFoundError(f"`{argument}` {text!r}: no such file or folder (looked locally, not on a hub).")
+    if (
+        isinstance(name_or_path, os.PathLike)
+        or not _HUB_ID.fullmatch(text)
+        or text.lower().endswith(_FILE_SUFFIXES)
+    ):
+        raise FileNotFoundError(
+            f"`{argument}` {text!r}: no such file or folder (looked locally, not on a hub)."
+        )
     return None
 
 
@@ -295,7 +341,9 @@ def _raise_json_error(path: Path, error: Exception):
                         f"{line_error.colno})."
                     ) from None
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as JSON: {cause}") from error
+    raise ValueError(
+        f"`name_or_path` {str(path)!r} could not be loaded as JSON: {cause}"
+    ) from error
 
 
 def _corpus_conversations():

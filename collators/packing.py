@@ -16,7 +16,13 @@ from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, wri
 from .checks import positive_int
 from .columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQUENCE_COLUMNS
 from .planning import (
-    ROW_LAYOUT_VERSION, Overflow, PackingStats, carried_columns, check_packing_options, cut_to_capacity, plan_rows,
+    ROW_LAYOUT_VERSION,
+    Overflow,
+    PackingStats,
+    carried_columns,
+    check_packing_options,
+    cut_to_capacity,
+    plan_rows,
     row_metadata,
 )
 from .streaming import STREAM_WINDOW, write_stream
@@ -110,8 +116,17 @@ def pack_dataset(
     max_length = check_packing_options(max_length, overflow)
     stats = PackingStats(max_length=max_length)
     if isinstance(dataset, datasets.IterableDataset):
-        rows = _pack_iterable(dataset, max_length, overflow, ignore_index, stats, cache_file_name=cache_file_name,
-                              num_proc=num_proc, load_from_cache_file=load_from_cache_file, buffer_size=buffer_size)
+        rows = _pack_iterable(
+            dataset,
+            max_length,
+            overflow,
+            ignore_index,
+            stats,
+            cache_file_name=cache_file_name,
+            num_proc=num_proc,
+            load_from_cache_file=load_from_cache_file,
+            buffer_size=buffer_size,
+        )
         return (rows, stats) if return_stats else rows
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(
@@ -119,14 +134,26 @@ def pack_dataset(
             "pack other iterables of examples with pack_stream or PackedIterableDataset."
         )
     if buffer_size is not None:
-        raise ValueError("`buffer_size` is the window of an IterableDataset; a Dataset is packed whole: leave it out.")
+        raise ValueError(
+            "`buffer_size` is the window of an IterableDataset; a Dataset is packed whole: leave it out."
+        )
     schema = dataset.data.table.schema
     carried = carried_columns(schema.names)
     # What the rows depend on: the cache's key (and the name of its default file).
-    fingerprint = Hasher.hash((dataset._fingerprint, [(f.name, str(f.type)) for f in schema], max_length, overflow,
-                               ignore_index, ROW_LAYOUT_VERSION))
+    fingerprint = Hasher.hash(
+        (
+            dataset._fingerprint,
+            [(f.name, str(f.type)) for f in schema],
+            max_length,
+            overflow,
+            ignore_index,
+            ROW_LAYOUT_VERSION,
+        )
+    )
     if dataset._indices is not None:
-        dataset = dataset.flatten_indices()  # rows in order on disk, so that they can be read in place
+        dataset = (
+            dataset.flatten_indices()
+        )  # rows in order on disk, so that they can be read in place
     table = dataset.data.table
     input_ids, labels = TokenColumn(table, INPUT_IDS), TokenColumn(table, LABELS)
     lengths = input_ids.lengths
@@ -155,8 +182,14 @@ def pack_dataset(
             values = pa.array(values.to_numpy(zero_copy_only=False).astype(column.dtype))
         columns[column.key] = list_array(piece_bounds, values.take(source))
     rows = write_rows(
-        dataset, (input_ids, labels), pa.table(columns), fingerprint=fingerprint, max_length=max_length,
-        ignore_index=ignore_index, cache_file_name=cache_file_name, num_proc=num_proc,
+        dataset,
+        (input_ids, labels),
+        pa.table(columns),
+        fingerprint=fingerprint,
+        max_length=max_length,
+        ignore_index=ignore_index,
+        cache_file_name=cache_file_name,
+        num_proc=num_proc,
         load_from_cache_file=load_from_cache_file,
     )
     stats.log()
@@ -183,21 +216,42 @@ def _check_column(table, name: str, column) -> None:
         column.values(values.to_numpy(zero_copy_only=False), f"dataset[{name!r}]")
 
 
-def _pack_iterable(dataset, max_length: int, overflow: Overflow, ignore_index: int, stats: PackingStats, *,
-                   cache_file_name, num_proc, load_from_cache_file, buffer_size):
+def _pack_iterable(
+    dataset,
+    max_length: int,
+    overflow: Overflow,
+    ignore_index: int,
+    stats: PackingStats,
+    *,
+    cache_file_name,
+    num_proc,
+    load_from_cache_file,
+    buffer_size,
+):
     """``pack_dataset`` of a ``datasets.IterableDataset``: window by window into an Arrow file (``write_stream``)."""
-    from datasets.fingerprint import generate_random_fingerprint, get_temporary_cache_files_directory
+    from datasets.fingerprint import (
+        generate_random_fingerprint,
+        get_temporary_cache_files_directory,
+    )
 
     if num_proc is not None:
-        raise ValueError("`num_proc` writes the rows of a Dataset; an IterableDataset is packed in one pass as it is "
-                         "read: leave it out.")
+        raise ValueError(
+            "`num_proc` writes the rows of a Dataset; an IterableDataset is packed in one pass as it is "
+            "read: leave it out."
+        )
     if load_from_cache_file:
-        raise ValueError("`load_from_cache_file`: an IterableDataset has no fingerprint, so its rows are written anew "
-                         "on every call; leave it out.")
+        raise ValueError(
+            "`load_from_cache_file`: an IterableDataset has no fingerprint, so its rows are written anew "
+            "on every call; leave it out."
+        )
     buffer_size = positive_int(STREAM_WINDOW if buffer_size is None else buffer_size, "buffer_size")
     if cache_file_name is None:
         name = f"packed-{generate_random_fingerprint()}.arrow"
         cache_file_name = os.path.join(get_temporary_cache_files_directory(), name)
     else:
-        cache.remove(cache_file_name)  # rows of other inputs, which a later call must not take for these
-    return write_stream(dataset, cache_file_name, max_length, overflow, buffer_size, ignore_index, stats)
+        cache.remove(
+            cache_file_name
+        )  # rows of other inputs, which a later call must not take for these
+    return write_stream(
+        dataset, cache_file_name, max_length, overflow, buffer_size, ignore_index, stats
+    )

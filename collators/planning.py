@@ -22,7 +22,14 @@ import numpy as np
 
 from .checks import positive_int
 from .columns import (
-    INPUT_IDS, LABELS, PACKED_ROW_COLUMNS, SEQ_LENGTHS, SEQ_TARGETS, SEQUENCE_COLUMNS, SequenceColumn, carried_column,
+    INPUT_IDS,
+    LABELS,
+    PACKED_ROW_COLUMNS,
+    SEQ_LENGTHS,
+    SEQ_TARGETS,
+    SEQUENCE_COLUMNS,
+    SequenceColumn,
+    carried_column,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,7 +111,9 @@ def best_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
     """
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if lengths.size and (lengths.min() < 1 or lengths.max() > capacity):
-        raise ValueError(f"`lengths` must lie in [1, capacity={capacity}], got {lengths.min()}..{lengths.max()}.")
+        raise ValueError(
+            f"`lengths` must lie in [1, capacity={capacity}], got {lengths.min()}..{lengths.max()}."
+        )
     items, per_row = _best_fit_decreasing(lengths, capacity)
     bounds = np.concatenate(([0], np.cumsum(per_row))).tolist()
     items = items.tolist()
@@ -147,12 +156,16 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray
 def check_packing_options(max_length, overflow, name: str = "max_length") -> int:
     """``max_length`` checked for ``overflow`` (itself checked)."""
     if overflow not in OVERFLOWS:
-        raise ValueError(f"`overflow` must be one of {', '.join(map(repr, OVERFLOWS))}, got {overflow!r}.")
+        raise ValueError(
+            f"`overflow` must be one of {', '.join(map(repr, OVERFLOWS))}, got {overflow!r}."
+        )
     # A piece of one token has no target and would not advance: splitting needs two tokens per row.
     return positive_int(max_length, name, minimum=2 if overflow == "split" else 1)
 
 
-def cut_to_capacity(lengths: np.ndarray, max_length: int, overflow: Overflow, stats: PackingStats) -> np.ndarray:
+def cut_to_capacity(
+    lengths: np.ndarray, max_length: int, overflow: Overflow, stats: PackingStats
+) -> np.ndarray:
     """Lengths after overflow handling (split conversations keep theirs): 0 marks an item left out."""
     too_long = lengths > max_length
     stats.num_conversations += len(lengths)
@@ -181,7 +194,9 @@ class Plan:
     """Which piece of which conversation goes where: pieces in row order, rows in the order they were opened."""
 
     source: np.ndarray  # (P,) int64: index of the piece's conversation in the input
-    offset: np.ndarray  # (P,) int64: first token of the piece within its conversation (0 unless split)
+    offset: (
+        np.ndarray
+    )  # (P,) int64: first token of the piece within its conversation (0 unless split)
     length: np.ndarray  # (P,) int64: tokens of the piece
     per_row: np.ndarray  # (R,) int64: pieces in each row
 
@@ -229,7 +244,9 @@ def carried_columns(names, where: str = "dataset") -> dict[str, SequenceColumn]:
         raise ValueError(f"`{where}` lacks the column(s) {missing}; its columns are {list(names)}.")
     others = [carried_column(name) for name in names if name not in (INPUT_IDS, LABELS)]
     order = {column.key: rank for rank, column in enumerate(SEQUENCE_COLUMNS)}
-    others.sort(key=lambda column: order.get(column.key, len(order)))  # stable: the others keep their order
+    others.sort(
+        key=lambda column: order.get(column.key, len(order))
+    )  # stable: the others keep their order
     for column in others:
         if column.key in PACKED_ROW_COLUMNS and column not in SEQUENCE_COLUMNS:
             raise ValueError(

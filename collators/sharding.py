@@ -21,7 +21,15 @@ import torch.nn.functional as F
 
 from .checks import positive_int, targets_per_sequence
 from .columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_Q, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQUENCE_COLUMNS, SHARD,
+    ATTENTION_MASK,
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+    SEQUENCE_COLUMNS,
+    SHARD,
     SHIFT_LABELS,
 )
 
@@ -116,7 +124,9 @@ def _row_checksum(input_ids: torch.Tensor, bounds: np.ndarray) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
-def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
+def shard_batch(
+    batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX
+) -> dict:
     """The tokens of a packed batch that context-parallel rank ``rank`` of ``world_size`` holds.
 
     ``L = T / world_size`` tokens in ``m`` chunks, balanced (module docstring; collate with
@@ -164,20 +174,37 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     if rank >= world_size:
         raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank}.")
     if not isinstance(batch, Mapping):
-        raise TypeError(f"`batch` must be a dict of tensors (a PackedCollator batch), got {type(batch).__name__}.")
+        raise TypeError(
+            f"`batch` must be a dict of tensors (a PackedCollator batch), got {type(batch).__name__}."
+        )
     missing = {INPUT_IDS, LABELS, CU_SEQLENS} - set(batch)
     if missing:
         raise ValueError(f"`batch` lacks {sorted(missing)}: shard a batch of PackedCollator.")
     input_ids, labels = batch[INPUT_IDS], batch[LABELS]
     for name, tensor in ((INPUT_IDS, input_ids), (LABELS, labels)):
-        if not torch.is_tensor(tensor) or tensor.dim() != 2 or tensor.shape[0] != 1 or tensor.dtype.is_floating_point:
-            raise ValueError(f"`batch['{name}']` must be an integer tensor of shape (1, T), got {_describe(tensor)}.")
+        if (
+            not torch.is_tensor(tensor)
+            or tensor.dim() != 2
+            or tensor.shape[0] != 1
+            or tensor.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"`batch['{name}']` must be an integer tensor of shape (1, T), got {_describe(tensor)}."
+            )
     num_tokens = input_ids.shape[1]
     if labels.shape != input_ids.shape:
-        raise ValueError(f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` {tuple(input_ids.shape)}."
+        )
     cu_seqlens = batch[CU_SEQLENS]
-    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}.")
+    if (
+        not torch.is_tensor(cu_seqlens)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}."
+        )
     # Every index is computed on the host from one copy of the boundaries: one wait for a device's queued work,
     # not one per check; the device only gathers.
     bounds = cu_seqlens.detach().to("cpu", torch.int64).numpy()
@@ -196,24 +223,34 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     device = input_ids.device
     position_ids = batch.get(POSITION_IDS)
     if position_ids is None:
-        position_ids = torch.from_numpy(np.arange(num_tokens) - np.repeat(bounds[:-1], lengths))[None].to(device)
+        position_ids = torch.from_numpy(np.arange(num_tokens) - np.repeat(bounds[:-1], lengths))[
+            None
+        ].to(device)
     elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
-        raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
+        raise ValueError(
+            f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}."
+        )
     per_sequence = {}  # column -> its checked values on the host
     for column in SEQUENCE_COLUMNS:
         values = batch.get(column.key)
         if values is None and column.absent == "count":
             # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
-            values = np.maximum(targets_per_sequence(labels[0].cpu().numpy(), lengths, ignore_index), 1)
+            values = np.maximum(
+                targets_per_sequence(labels[0].cpu().numpy(), lengths, ignore_index), 1
+            )
         elif values is None:
             continue
-        elif column.dtype is not None and (not torch.is_tensor(values) or values.shape != (num_sequences,)):
+        elif column.dtype is not None and (
+            not torch.is_tensor(values) or values.shape != (num_sequences,)
+        ):
             raise ValueError(
                 f"`batch['{column.key}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
             )
         values = column.values(values, f"batch['{column.key}']")
         if len(values) != num_sequences:
-            raise ValueError(f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got {len(values)}.")
+            raise ValueError(
+                f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got {len(values)}."
+            )
         if column.absent == "count" and (values < 1).any():
             raise ValueError(
                 f"`batch['{column.key}']` must be >= 1 (PackedCollator gives 1 to a sequence without targets)."
@@ -239,20 +276,30 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         LABELS: labels[:, index],
         POSITION_IDS: position_ids[:, index],
         SHIFT_LABELS: shift_labels[index][None],
-        CU_SEQLENS: torch.from_numpy(np.append(local_starts, local.size).astype(np.int32)).to(device),
+        CU_SEQLENS: torch.from_numpy(np.append(local_starts, local.size).astype(np.int32)).to(
+            device
+        ),
         SHARD: ShardRecord(
-            rank, world_size, num_tokens, _row_checksum(input_ids, bounds), tuple(map(tuple, chunks.tolist()))
+            rank,
+            world_size,
+            num_tokens,
+            _row_checksum(input_ids, bounds),
+            tuple(map(tuple, chunks.tolist())),
         ),
     }
     for column, values in per_sequence.items():
         if column.dtype is None:
             shard[column.key] = [values[index] for index in sequence_of.tolist()]
         else:
-            shard[column.key] = torch.from_numpy(np.asarray(values, dtype=column.dtype)[sequence_of]).to(device)
+            shard[column.key] = torch.from_numpy(
+                np.asarray(values, dtype=column.dtype)[sequence_of]
+            ).to(device)
     return shard
 
 
-def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
+def shard_for_rank(
+    batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX
+) -> dict:
     """One context-parallel rank's share of a one-row batch from any packing collator (the trainers' way).
 
     The row's boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` (trl's padding-free batches) or the restarts
@@ -281,7 +328,11 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
         cu_seqlens = batch.get(CU_SEQ_LENS_Q)
     if cu_seqlens is None:
         position_ids = batch.get(POSITION_IDS)
-        starts = position_restarts(position_ids) if position_ids is not None else torch.arange(length) == 0
+        starts = (
+            position_restarts(position_ids)
+            if position_ids is not None
+            else torch.arange(length) == 0
+        )
         cu_seqlens = F.pad(starts.nonzero().flatten(), (0, 1), value=length)
     cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
     padding = -length % (2 * world_size)

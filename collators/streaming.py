@@ -20,7 +20,13 @@ from .arrow_rows import list_array
 from .checks import check_tokens, positive_int, targets_per_sequence, token_array
 from .columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SequenceColumn
 from .planning import (
-    Overflow, PackingStats, carried_columns, check_packing_options, cut_to_capacity, plan_rows, row_metadata,
+    Overflow,
+    PackingStats,
+    carried_columns,
+    check_packing_options,
+    cut_to_capacity,
+    plan_rows,
+    row_metadata,
 )
 
 # ``pack_dataset``'s window on a ``datasets.IterableDataset``, in conversations: at a mean of 500 tokens about 8M
@@ -48,8 +54,15 @@ class Window:
     columns: dict
 
 
-def pack_windows(examples: Iterable[Mapping], max_tokens: int, overflow: Overflow, buffer_size: int,
-                 ignore_index: int, stats: PackingStats, where: str = "examples") -> Iterator[Window]:
+def pack_windows(
+    examples: Iterable[Mapping],
+    max_tokens: int,
+    overflow: Overflow,
+    buffer_size: int,
+    ignore_index: int,
+    stats: PackingStats,
+    where: str = "examples",
+) -> Iterator[Window]:
     """Check each conversation of ``examples`` and pack each ``buffer_size`` of them, updating ``stats`` (logged at
     the end). Every example has the first one's columns; errors name ``{where}[index]``."""
     buffer, carried, names = _Buffer(ignore_index), {}, None
@@ -61,19 +74,27 @@ def pack_windows(examples: Iterable[Mapping], max_tokens: int, overflow: Overflo
         elif set(example) != names:
             missing, extra = sorted(names - set(example)), sorted(set(example) - names)
             differences = [f"lacks {missing}"] * bool(missing) + [f"has {extra}"] * bool(extra)
-            raise ValueError(f"`{name}` {' and '.join(differences)}, unlike the first example: give every "
-                             "conversation the same columns.")
+            raise ValueError(
+                f"`{name}` {' and '.join(differences)}, unlike the first example: give every "
+                "conversation the same columns."
+            )
         input_ids = token_array(example[INPUT_IDS], f"{name}['input_ids']")
         labels = token_array(example[LABELS], f"{name}['labels']")
         if len(input_ids) != len(labels):
-            raise ValueError(f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree.")
+            raise ValueError(
+                f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree."
+            )
         check_tokens(input_ids, labels, ignore_index, name)
         values = [column.check(example[key], f"{name}[{key!r}]") for key, column in carried.items()]
         buffer.add(input_ids, labels, values)
         if len(buffer.ends) == buffer_size:
-            yield _pack_window(buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats)
+            yield _pack_window(
+                buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats
+            )
     if buffer.ends:
-        yield _pack_window(buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats)
+        yield _pack_window(
+            buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats
+        )
     stats.log()
 
 
@@ -87,20 +108,28 @@ class _Buffer:
     """
 
     def __init__(self, ignore_index: int):
-        dtype = np.int32 if _INT32.min <= ignore_index <= _INT32.max else np.int64  # labels take it at cuts
+        dtype = (
+            np.int32 if _INT32.min <= ignore_index <= _INT32.max else np.int64
+        )  # labels take it at cuts
         self.input_ids, self.labels = np.empty(0, dtype), np.empty(0, dtype)
         self.ends, self.values = [], []
 
     def add(self, input_ids: np.ndarray, labels: np.ndarray, values: list) -> None:
         start = self.ends[-1] if self.ends else 0
         stop = start + len(input_ids)
-        wide = any(not (_INT32.min <= t.min() and t.max() <= _INT32.max) for t in (input_ids, labels) if t.size)
+        wide = any(
+            not (_INT32.min <= t.min() and t.max() <= _INT32.max)
+            for t in (input_ids, labels)
+            if t.size
+        )
         if stop > len(self.input_ids) or (wide and self.input_ids.dtype != np.int64):
             # by a quarter: a window a little longer than the ones before grows the arrays a little
             capacity = max(stop, len(self.input_ids) * 5 // 4)
             dtype = np.int64 if wide else self.input_ids.dtype
-            self.input_ids, self.labels = (np.concatenate((a[:start], np.empty(capacity - start, dtype)))
-                                           for a in (self.input_ids, self.labels))
+            self.input_ids, self.labels = (
+                np.concatenate((a[:start], np.empty(capacity - start, dtype)))
+                for a in (self.input_ids, self.labels)
+            )
         self.input_ids[start:stop], self.labels[start:stop] = input_ids, labels
         self.ends.append(stop)
         self.values.append(values)
@@ -109,8 +138,14 @@ class _Buffer:
         self.ends, self.values = [], []
 
 
-def _pack_window(buffer: _Buffer, carried: list[SequenceColumn], max_tokens: int, overflow: Overflow,
-                 ignore_index: int, stats: PackingStats) -> Window:
+def _pack_window(
+    buffer: _Buffer,
+    carried: list[SequenceColumn],
+    max_tokens: int,
+    overflow: Overflow,
+    ignore_index: int,
+    stats: PackingStats,
+) -> Window:
     """The rows of the conversations in ``buffer``, which it empties."""
     ends = np.array(buffer.ends, dtype=np.int64)
     lengths = np.diff(ends, prepend=0)
@@ -120,8 +155,10 @@ def _pack_window(buffer: _Buffer, carried: list[SequenceColumn], max_tokens: int
     plan = plan_rows(kept, max_tokens, overflow == "split", stats)
     first = (ends - lengths)[plan.source] + plan.offset
     pieces = list(zip(first.tolist(), (first + plan.length).tolist()))
-    input_ids, labels = (np.concatenate([tokens[a:b] for a, b in pieces] or [tokens[:0]])
-                         for tokens in (buffer.input_ids, buffer.labels))
+    input_ids, labels = (
+        np.concatenate([tokens[a:b] for a, b in pieces] or [tokens[:0]])
+        for tokens in (buffer.input_ids, buffer.labels)
+    )
     starts = np.cumsum(plan.length) - plan.length
     # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
     labels[starts[plan.offset > 0]] = ignore_index
@@ -187,8 +224,10 @@ def pack_stream(
 
 def _rows(windows: Iterator[Window]) -> Iterator[dict[str, list]]:
     for window in windows:
-        columns = {key: values.tolist() if isinstance(values, np.ndarray) else values
-                   for key, values in window.columns.items()}
+        columns = {
+            key: values.tolist() if isinstance(values, np.ndarray) else values
+            for key, values in window.columns.items()
+        }
         tokens, pieces = window.token_bounds.tolist(), window.piece_bounds.tolist()
         for a, b, p, q in zip(tokens[:-1], tokens[1:], pieces[:-1], pieces[1:]):
             row = {INPUT_IDS: window.input_ids[a:b].tolist(), LABELS: window.labels[a:b].tolist()}
@@ -197,8 +236,15 @@ def _rows(windows: Iterator[Window]) -> Iterator[dict[str, list]]:
         del window, columns  # not held while the next window is packed
 
 
-def write_stream(dataset, path: str, max_length: int, overflow: Overflow, buffer_size: int, ignore_index: int,
-                 stats: PackingStats):
+def write_stream(
+    dataset,
+    path: str,
+    max_length: int,
+    overflow: Overflow,
+    buffer_size: int,
+    ignore_index: int,
+    stats: PackingStats,
+):
     """``pack_dataset``'s rows of a ``datasets.IterableDataset``, written to the Arrow file ``path`` a window at a
     time and returned memory-mapped (a ``datasets.Dataset``).
 
@@ -213,15 +259,24 @@ def write_stream(dataset, path: str, max_length: int, overflow: Overflow, buffer
     types = {INPUT_IDS: pa.int64(), LABELS: pa.int64()}
     carried = {}
     if known is not None:
-        types.update((name, known.field(name).type.value_type) for name in (INPUT_IDS, LABELS)
-                     if name in known.names and hasattr(known.field(name).type, "value_type"))
+        types.update(
+            (name, known.field(name).type.value_type)
+            for name in (INPUT_IDS, LABELS)
+            if name in known.names and hasattr(known.field(name).type, "value_type")
+        )
         carried = carried_columns(known.names)
-        types.update((column.key, known.field(name).type) for name, column in carried.items() if not column.dtype)
+        types.update(
+            (column.key, known.field(name).type)
+            for name, column in carried.items()
+            if not column.dtype
+        )
     writer, schema = None, None
     tmp = f"{path}.tmp"
     try:
         with pa.OSFile(tmp, "wb") as sink, tqdm(unit=" rows", desc="Packing") as bar:
-            for window in pack_windows(dataset, max_length, overflow, buffer_size, ignore_index, stats, "dataset"):
+            for window in pack_windows(
+                dataset, max_length, overflow, buffer_size, ignore_index, stats, "dataset"
+            ):
                 if len(window.token_bounds) == 1:
                     continue  # no row (every conversation dropped or empty), no value to take a type from
                 table = _window_table(window, types)
@@ -235,7 +290,11 @@ def write_stream(dataset, path: str, max_length: int, overflow: Overflow, buffer
                 del window, table  # not held while the next window is packed
             if writer is None:  # no conversation: the columns the data set declares, no row
                 types.update((name, pa.int64()) for name in (SEQ_LENGTHS, SEQ_TARGETS))
-                types.update((c.key, pa.from_numpy_dtype(np.dtype(c.dtype))) for c in carried.values() if c.dtype)
+                types.update(
+                    (c.key, pa.from_numpy_dtype(np.dtype(c.dtype)))
+                    for c in carried.values()
+                    if c.dtype
+                )
                 names = [INPUT_IDS, LABELS, SEQ_LENGTHS] + [SEQ_TARGETS] * (overflow == "split")
                 names += [column.key for column in carried.values()]
                 schema = pa.schema([(name, pa.list_(types.get(name, pa.null()))) for name in names])
@@ -252,8 +311,10 @@ def _window_table(window: Window, types: dict):
     """A window's rows as an Arrow table: lists per row, of ``types[name]`` where given."""
     import pyarrow as pa
 
-    columns = {name: list_array(window.token_bounds, pa.array(values, type=types[name]))
-               for name, values in ((INPUT_IDS, window.input_ids), (LABELS, window.labels))}
+    columns = {
+        name: list_array(window.token_bounds, pa.array(values, type=types[name]))
+        for name, values in ((INPUT_IDS, window.input_ids), (LABELS, window.labels))
+    }
     for name, values in window.columns.items():
         columns[name] = list_array(window.piece_bounds, pa.array(values, type=types.get(name)))
     return pa.table(columns)
@@ -301,7 +362,12 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(
-        self, source: Iterable[Mapping], max_tokens: int, *, overflow: Overflow = "truncate", buffer_size: int = 1024
+        self,
+        source: Iterable[Mapping],
+        max_tokens: int,
+        *,
+        overflow: Overflow = "truncate",
+        buffer_size: int = 1024,
     ):
         self.source = source
         self.max_tokens = check_packing_options(max_tokens, overflow, "max_tokens")
@@ -318,5 +384,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             # every num_workers-th conversation, so none is packed twice
             source = itertools.islice(source, worker.id, None, worker.num_workers)
         return pack_stream(
-            source, self.max_tokens, overflow=self.overflow, buffer_size=self.buffer_size, stats=self.stats
+            source,
+            self.max_tokens,
+            overflow=self.overflow,
+            buffer_size=self.buffer_size,
+            stats=self.stats,
         )

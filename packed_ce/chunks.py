@@ -465,7 +465,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # six options (chunk_loss, chunk_size, accumulation_dtype, drop_ignored_rows, reduce,
         # compute_grad), and the stats buffer.
         return (
-            grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+            grad_hidden,
+            grad_weight,
+            grad_bias,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 

@@ -110,9 +110,7 @@ class LossOptions:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(
-                f"backend must be 'auto', 'triton' or 'torch', got {self.backend!r}"
-            )
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {self.backend!r}")
         label_smoothing = _finite_float("label_smoothing", self.label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")

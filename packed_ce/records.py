@@ -46,7 +46,10 @@ WIDTH = len(Field)
 PER_SEQUENCE = Field.TARGETS_BELOW_ONE  # the first per-sequence field
 # the per-sequence fields that count failures: nonzero means the call is bad
 PER_SEQUENCE_COUNTS = (
-    Field.TARGETS_BELOW_ONE, Field.TARGETS_BELOW_OWN, Field.BAD_WEIGHTS, Field.WEIGHT_SUM_OVERFLOWS,
+    Field.TARGETS_BELOW_ONE,
+    Field.TARGETS_BELOW_OWN,
+    Field.BAD_WEIGHTS,
+    Field.WEIGHT_SUM_OVERFLOWS,
 )
 
 
@@ -167,8 +170,12 @@ def encode(
     fields.append(bad_count)
     head = torch.stack([f.to(torch.int64) for f in fields])
     tail = encode_per_sequence(
-        flat, cu_seqlens, shift=shift, ignore_index=ignore_index,
-        seq_targets=seq_targets, seq_weights=seq_weights,
+        flat,
+        cu_seqlens,
+        shift=shift,
+        ignore_index=ignore_index,
+        seq_targets=seq_targets,
+        seq_weights=seq_weights,
     )
     return torch.cat([head, tail])
 

@@ -154,7 +154,9 @@ def _weights_over_mass(
         n_s = own_targets(
             labels, boundaries.cu_seqlens, shift=options.shift, ignore_index=options.ignore_index
         )
-        _, share = _per_target_and_share(n_s, boundaries.seq_targets, options.is_packed, torch.float64)
+        _, share = _per_target_and_share(
+            n_s, boundaries.seq_targets, options.is_packed, torch.float64
+        )
         # a sequence without a target has no part in the mean: weight 0, so that its a_s / D
         # never overflows dtype (0 * inf = NaN in the weight mass of the kernel)
         weights = torch.where(share > 0, weights, 0.0)
@@ -221,7 +223,9 @@ def count_normaliser(
         cu_seqlens, position_ids, seq_targets=seq_targets, seq_weights=seq_weights
     )
     # checks seq_targets / seq_weights too (their rules in validation.TENSOR_RULES)
-    check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
+    check_labels(
+        labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels"
+    )
     return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
 
 

@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
+from collators.columns import (
+    ATTENTION_MASK,
+    CU_SEQLENS,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+)
 
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.

@@ -39,7 +39,12 @@ import torch
 from torch import nn
 
 from collators.columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q,
+    ATTENTION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
     POSITION_IDS,
 )
 
@@ -243,9 +248,13 @@ class _Audit:
             leak = _mask_leak(mask, self.pairs, self.starts.shape)
         if leak is None:
             return
-        hint = "" if self.positions else (
-            " (this call has no position_ids, so positions run on across the row: pass "
-            "collators.PackedCollator's, which restart at 0 for every conversation)"
+        hint = (
+            ""
+            if self.positions
+            else (
+                " (this call has no position_ids, so positions run on across the row: pass "
+                "collators.PackedCollator's, which restart at 0 for every conversation)"
+            )
         )
         raise ValueError(
             f"packed batches are not exact on model_type={self.family!r} with "
@@ -377,10 +386,14 @@ def _flash_leak(arguments: dict, starts: torch.Tensor) -> str | None:
     if bool((starts & ~split).any()):
         return what
     rotary = arguments.get("position_embeddings")
-    if not (isinstance(rotary, (tuple, list)) and rotary and all(
-        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
-        for t in rotary
-    )):
+    if not (
+        isinstance(rotary, (tuple, list))
+        and rotary
+        and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
+            for t in rotary
+        )
+    ):
         return "no rotary position_embeddings to check its positions by"
     rows, columns = starts.nonzero(as_tuple=True)
     for table in rotary:  # (B or 1, T, D)

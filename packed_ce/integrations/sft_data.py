@@ -16,7 +16,12 @@ import torch
 
 from collators.collate import example_values, sequence_columns
 from collators.columns import (
-    CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQUENCE_COLUMNS,
+    CU_SEQLENS,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    LABELS,
+    SEQ_LENGTHS,
+    SEQUENCE_COLUMNS,
 )
 
 

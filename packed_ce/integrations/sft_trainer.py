@@ -140,10 +140,19 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if not packing:
             given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
-                data_checks.numbered(dataset), processing_class, args, packing, formatting_func, name
+                data_checks.numbered(dataset),
+                processing_class,
+                args,
+                packing,
+                formatting_func,
+                name,
             )
             prepared = data_checks.skip_or_refuse_dropped(
-                prepared, given, f"{name}_dataset", type(self).__name__, self._skip_no_assistant,
+                prepared,
+                given,
+                f"{name}_dataset",
+                type(self).__name__,
+                self._skip_no_assistant,
                 args.max_length,
             )
             return self._without_targets(prepared, name)
@@ -184,7 +193,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         self._log_token_metrics(mode, stats, inputs)
         if self.aux_loss_enabled:
             aux = outputs.aux_loss.detach()[None]
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux).mean().item()
+            )
         return (loss, outputs) if return_outputs else loss
 
     def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:

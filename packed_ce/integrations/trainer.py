@@ -18,7 +18,13 @@ import transformers
 from transformers import Trainer, TrainerCallback
 
 from collators.columns import (
-    EXAMPLE_TOKENS, FLOAT_SEQUENCE_KEYS, LABELS, ROW_COLUMNS, SEQ_SOURCES, SHARD, source_names,
+    EXAMPLE_TOKENS,
+    FLOAT_SEQUENCE_KEYS,
+    LABELS,
+    ROW_COLUMNS,
+    SEQ_SOURCES,
+    SHARD,
+    source_names,
 )
 from collators.sharding import shard_for_rank
 
@@ -59,7 +65,9 @@ class PackedNormaliserMixin:
     - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
-    _context_parallel: ContextParallel | None = None  # the model's, under ParallelismConfig(cp_size)
+    _context_parallel: ContextParallel | None = (
+        None  # the model's, under ParallelismConfig(cp_size)
+    )
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # sequence_sums of the logging window, on device
     _evaluation: EvaluationSums | None = None  # while an evaluation loop runs
@@ -144,7 +152,11 @@ class PackedNormaliserMixin:
             self.data_collator = collator
 
     def evaluation_loop(
-        self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+        self,
+        dataloader,
+        description,
+        prediction_loss_only=None,
+        ignore_keys=None,
         metric_key_prefix="eval",
     ):
         """The Trainer's loop, its ``<prefix>_loss`` replaced by the per-conversation mean over the
@@ -258,7 +270,9 @@ class PackedNormaliserMixin:
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         if coef:
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            steps = (
+                self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            )
             loss = loss + coef * aux / steps
         if want_sources:
             scale = 1.0 if num_items_in_batch is None else num_items_in_batch
@@ -367,4 +381,3 @@ def refuse_prediction_metrics(trainer: str, compute_metrics, preprocess_logits_f
                 "one prediction per conversation; leave it out: evaluate() reports eval_loss (the "
                 "per-conversation mean over the eval set) and eval_loss/<source>"
             )
-

@@ -57,7 +57,9 @@ class _GatherRow(torch.autograd.Function):
         return own[:, 0], own[:, 1], None  # no gradient for the layout
 
 
-def gather_row(key: torch.Tensor, value: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_row(
+    key: torch.Tensor, value: torch.Tensor, layout: RowLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as ``(1, Hkv, T, D)``, rank-major
     (:class:`RowLayout` maps each entry to its row token). They are ``(1, L, H, D)`` transposed,
     so the token-major views need no copy."""
@@ -95,7 +97,9 @@ def _dense(query, keys, values, mask, scaling, softcap, sinks) -> torch.Tensor:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     dtype = torch.promote_types(query.dtype, torch.float32)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query.to(dtype), keys.to(dtype).transpose(-1, -2)) * scale  # (1, Hq, L, T)
+    scores = (
+        torch.matmul(query.to(dtype), keys.to(dtype).transpose(-1, -2)) * scale
+    )  # (1, Hq, L, T)
     if softcap is not None:
         scores = _softcap_mod(softcap)(scores, None, None, None, None)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -122,7 +126,9 @@ def _flex(query, keys, values, block_mask, scaling, softcap, sinks) -> torch.Ten
         return _compiled_flex_attention(query, keys, values, **common)
     from torch.nn.attention.flex_attention import AuxRequest
 
-    out, aux = _compiled_flex_attention(query, keys, values, return_aux=AuxRequest(lse=True), **common)
+    out, aux = _compiled_flex_attention(
+        query, keys, values, return_aux=AuxRequest(lse=True), **common
+    )
     return _with_sinks(out, aux.lse, sinks)
 
 

@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from collators.columns import (
-    CU_SEQLENS, INPUT_IDS, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS, SHARD, SHIFT_LABELS,
+    CU_SEQLENS,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SHARD,
+    SHIFT_LABELS,
 )
 
 from ...options import LossOptions
@@ -68,7 +75,9 @@ def _refusal(model: nn.Module) -> str | None:
             f"{name} does not compute attention through transformers' attention interface, so "
             "context parallelism cannot replace it"
         )
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     other = sorted(set(getattr(config, "layer_types", None) or ()) - EXACT_LAYER_TYPES)
     if other:
         return (
@@ -184,7 +193,9 @@ def prepare_call(model: nn.Module, kwargs: dict) -> dict:
     options = dataclasses.replace(installation_of(model).loss.options, shift=False)
     _check_facts(_gather_facts(state, record, kwargs, options), world)
     position_ids = kwargs[POSITION_IDS]
-    kwargs[ROW_LAYOUT] = RowLayout.gather(state.group, state.rank, world, position_ids, record.chunks)
+    kwargs[ROW_LAYOUT] = RowLayout.gather(
+        state.group, state.rank, world, position_ids, record.chunks
+    )
     if kwargs.get(LABELS) is not None:
         count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
         kwargs["num_items_in_batch"] = count.to(torch.float64) / world
@@ -202,7 +213,11 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     problem = _OK
     if record is None:
         problem = _NOT_A_SHARD
-    elif position_ids is None or position_ids.dim() != 2 or length * record.world_size != record.row_length:
+    elif (
+        position_ids is None
+        or position_ids.dim() != 2
+        or length * record.world_size != record.row_length
+    ):
         problem = _BAD_POSITIONS
     elif labels is not None and kwargs.get(SHIFT_LABELS) is None:
         problem = _NO_SHIFT_LABELS
@@ -211,17 +226,25 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     mass = torch.zeros((), dtype=torch.float64, device=device)
     if problem == _OK and labels is not None:
         mass = count_normaliser(
-            kwargs[SHIFT_LABELS], cu_seqlens=kwargs.get(CU_SEQLENS), seq_targets=kwargs.get(SEQ_TARGETS),
-            seq_weights=kwargs.get(SEQ_WEIGHTS), options=options,
+            kwargs[SHIFT_LABELS],
+            cu_seqlens=kwargs.get(CU_SEQLENS),
+            seq_targets=kwargs.get(SEQ_TARGETS),
+            seq_weights=kwargs.get(SEQ_WEIGHTS),
+            options=options,
         ).to(device=device, dtype=torch.float64)
     given = torch.as_tensor(0 if count is None else count, device=device).to(torch.float64)
-    integers = [problem, length, *(
-        (0, 0, 0) if record is None else (record.world_size, record.rank, record.row_checksum)
-    ), labels is not None]
-    mine = torch.cat((
-        torch.tensor(integers, dtype=torch.int64, device=device),
-        torch.stack((mass, given)).view(torch.int64),  # float64 bits, exact through the gather
-    ))
+    integers = [
+        problem,
+        length,
+        *((0, 0, 0) if record is None else (record.world_size, record.rank, record.row_checksum)),
+        labels is not None,
+    ]
+    mine = torch.cat(
+        (
+            torch.tensor(integers, dtype=torch.int64, device=device),
+            torch.stack((mass, given)).view(torch.int64),  # float64 bits, exact through the gather
+        )
+    )
     table = mine.new_empty(state.world_size * _COLUMNS)
     dist.all_gather_into_tensor(table, mine, group=state.group)
     table = table.reshape(state.world_size, _COLUMNS).cpu()

@@ -100,7 +100,9 @@ class RowLayout:
                 )
             else:  # each query sees itself: no row is empty
                 self.masks[window] = mask_mod(
-                    None, None, torch.arange(local, device=device)[:, None],
+                    None,
+                    None,
+                    torch.arange(local, device=device)[:, None],
                     torch.arange(total, device=device)[None, :],
                 )
         return self.masks[window]
