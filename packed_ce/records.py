@@ -81,7 +81,8 @@ def own_targets(
 
 def _first(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
     """``[count, first index or -1, value there or 0]`` of a 1-D mask, as 0-d int64 tensors
-    (no host sync; any length, 0 included)."""
+    (no host sync; any length, 0 included).
+    """
     n = bad.numel()
     index = torch.arange(n + 1, device=bad.device)
     stop = torch.ones(1, dtype=torch.bool, device=bad.device)  # index n: none found
@@ -94,7 +95,8 @@ def _first(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
 def _read(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """``values[at]`` as 0-d int64 for a 0-d device index, 0 where ``at`` is -1 or
     ``len(values)``. index_select, not ``values[at]``: indexing by a 0-d tensor reads it on the
-    host (a sync on CUDA)."""
+    host (a sync on CUDA).
+    """
     padded = torch.nn.functional.pad(values.to(torch.int64), (0, 1))
     at = torch.where(at < 0, values.numel(), at)
     return padded.index_select(0, at.reshape(1)).reshape(())
@@ -110,7 +112,8 @@ def encode_per_sequence(
     seq_weights: torch.Tensor | None,
 ) -> torch.Tensor:
     """The per-sequence fields (from :data:`PER_SEQUENCE` on): ``(WIDTH - PER_SEQUENCE,)``
-    int64 on the labels' device, no host sync; zeros (and -1 positions) where absent."""
+    int64 on the labels' device, no host sync; zeros (and -1 positions) where absent.
+    """
     device = labels.device
     zero = torch.zeros((), dtype=torch.int64, device=device)
     none_found = [zero, zero - 1, zero]  # _first of an empty mask, without its kernels

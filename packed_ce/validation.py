@@ -42,7 +42,8 @@ def checked_boundaries(
     cu_seqlens=None, position_ids=None, num_items_in_batch=None, seq_targets=None, seq_weights=None
 ) -> Boundaries:
     """The call's :class:`Boundaries`, each tensor argument type-checked where it enters (the
-    public functions and modules; a model call's guard checks what the model reads first)."""
+    public functions and modules; a model call's guard checks what the model reads first).
+    """
     tensors = dict(
         cu_seqlens=cu_seqlens,
         position_ids=position_ids,
@@ -205,7 +206,8 @@ def check_arguments(
 ) -> None:
     """Everything metadata tells about a call's tensors: the logits ``(N, V)`` / ``(B, T, V)``
     (or ``hidden @ weight.T``, called ``name``) of a dtype in ``allowed``, then
-    :func:`check_labels`."""
+    :func:`check_labels`.
+    """
     check_tensor("labels", labels)
     if logits_dtype not in allowed:
         raise TypeError(f"{name} must have dtype in {allowed}, got {logits_dtype}")
@@ -259,7 +261,8 @@ def check_linear(
     allowed: tuple[torch.dtype, ...],
 ) -> None:
     """The LM head's inputs: ``hidden`` ``(N, H)``/``(B, T, H)``, ``weight`` ``(V, H)``, ``bias``
-    ``(V,)`` or None, one dtype among ``allowed``, one device."""
+    ``(V,)`` or None, one dtype among ``allowed``, one device.
+    """
     if hidden.dtype not in allowed:
         raise TypeError(f"hidden must have dtype in {allowed}, got {hidden.dtype}")
     if hidden.dim() not in (2, 3):

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from collators.columns import (
-    CU_SEQLENS,
     CU_SEQ_LENS_Q,
+    CU_SEQLENS,
     LABELS,
     POSITION_IDS,
     SEQ_TARGETS,

@@ -42,7 +42,8 @@ def check_datasets(
     """A trainer's checks before its construction, on its bound ``train_dataset`` and
     ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
     not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
-    tokenised data) a target in every conversation, or ``skip`` them."""
+    tokenised data) a target in every conversation, or ``skip`` them.
+    """
     if not isinstance(skip, bool):
         raise TypeError(
             f"{trainer}: skip_no_assistant must be a bool, got {type(skip).__name__} {skip!r}."
@@ -63,7 +64,8 @@ def check_datasets(
 def each_dataset(argument, name: str, check: Callable):
     """``check(dataset, name)`` on a ``train_dataset`` / ``eval_dataset`` argument (a data set, a
     dict of them, or None), keeping its shape: what ``check`` returns replaces each data set. A
-    dict's data sets are named ``name['<key>']``."""
+    dict's data sets are named ``name['<key>']``.
+    """
     if argument is None:
         return None
     if isinstance(argument, dict):
@@ -81,8 +83,8 @@ def check_columns(dataset, name: str) -> None:
 
     Raises:
         TypeError / ValueError naming the row: a weight not a real number, NaN, infinite, negative
-        or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
-        string; naming the data set when every weight is 0.
+            or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
+            string; naming the data set when every weight is 0.
     """
     columns = getattr(dataset, "column_names", None) or []
     if WEIGHT_COLUMN in columns:
@@ -107,8 +109,8 @@ def check_columns(dataset, name: str) -> None:
         for row, source in enumerate(dataset[SOURCE_COLUMN]):
             if not isinstance(source, str):
                 raise TypeError(
-                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the conversation's data "
-                    f"source, got {type(source).__name__} {source!r}."
+                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the "
+                    f"conversation's data source, got {type(source).__name__} {source!r}."
                 )
 
 
@@ -140,8 +142,8 @@ def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: boo
     ]
     if missing and not skip:
         raise ValueError(
-            f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss leaves "
-            f"it nothing to train on: pass skip_no_assistant=True to {trainer} to skip such "
+            f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss "
+            f"leaves it nothing to train on: pass skip_no_assistant=True to {trainer} to skip such "
             "conversations (counted and logged), or remove them."
         )
     return _drop_rows(dataset, missing, name)
@@ -189,8 +191,8 @@ def skip_or_refuse_without_targets(
                     + "."
                 )
             raise ValueError(
-                f"{at} has {label_counts[offset]} labels for {tokens[offset]} input_ids: give one label "
-                "per token (-100 where nothing is trained)."
+                f"{at} has {label_counts[offset]} labels for {tokens[offset]} input_ids: give one "
+                "label per token (-100 where nothing is trained)."
             )
         if packed:
             lengths_column = table[SEQ_LENGTHS].combine_chunks()
@@ -203,9 +205,8 @@ def skip_or_refuse_without_targets(
         else:
             lengths, per_row = tokens.astype(np.int64), np.ones(len(tokens), dtype=np.int64)
         values = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int64)
-        if (
-            lengths.sum() != values.size
-        ):  # seq_lengths that do not cover their rows: the collator's error
+        # seq_lengths that do not cover their rows: the collator's error
+        if lengths.sum() != values.size:
             row += len(tokens)
             continue
         without = targets_per_sequence(values, lengths, ignore_index) == 0
@@ -219,17 +220,17 @@ def skip_or_refuse_without_targets(
                     f", sequence {within} of its seq_lengths," if packed else ""
                 )
                 raise ValueError(
-                    f"{where} has no target (no label other than {ignore_index} after its first token), "
-                    f"so it has nothing to train on: pass skip_no_assistant=True to {trainer} to skip "
-                    "such conversations (counted and logged), or remove them."
+                    f"{where} has no target (no label other than {ignore_index} after its first "
+                    "token), so it has nothing to train on: pass skip_no_assistant=True to "
+                    f"{trainer} to skip such conversations (counted and logged), or remove them."
                 )
             missing.extend((row + rows[without]).tolist())
         row += len(tokens)
     if packed:
         if missing:
             logger.warning(
-                "%s: %d of %d conversations have no target; they stay in their packed rows and weigh "
-                "nothing (skip_no_assistant=True).",
+                "%s: %d of %d conversations have no target; they stay in their packed rows and "
+                "weigh nothing (skip_no_assistant=True).",
                 name,
                 len(missing),
                 counted,
@@ -252,7 +253,7 @@ def numbered(dataset):
 def skip_or_refuse_dropped(
     prepared, given: int, name: str, trainer: str, skip: bool, max_length: int | None
 ):
-    """trl's preparation after truncating to ``max_length`` drops, without a word, the rows left
+    """TRL's preparation after truncating to ``max_length`` drops, without a word, the rows left
     without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
     or with ``skip`` a logged count; the index column is removed.
 
@@ -267,9 +268,10 @@ def skip_or_refuse_dropped(
     dropped = np.flatnonzero(~kept)
     if dropped.size and not skip:
         raise ValueError(
-            f"`{name}[{dropped[0]}]` has no target left after truncation to max_length={max_length} "
-            f"({dropped.size} such rows): raise max_length, use packing=True (which keeps or splits long "
-            f"conversations), or pass skip_no_assistant=True to {trainer} to skip them (counted and logged)."
+            f"`{name}[{dropped[0]}]` has no target left after truncation to "
+            f"max_length={max_length} ({dropped.size} such rows): raise max_length, use "
+            "packing=True (which keeps or splits long conversations), or pass "
+            f"skip_no_assistant=True to {trainer} to skip them (counted and logged)."
         )
     if dropped.size:
         logger.warning(

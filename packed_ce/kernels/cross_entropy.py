@@ -400,7 +400,8 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 def _mark_overwritten(logits: torch.Tensor) -> None:
     """Bumps the autograd version of ``logits``, now holding their gradient: a node that saved
-    them raises "modified by an inplace operation" instead of reading the gradient as logits."""
+    them raises "modified by an inplace operation" instead of reading the gradient as logits.
+    """
     torch.autograd.graph.increment_version(logits)
 
 

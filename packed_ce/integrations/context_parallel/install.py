@@ -92,8 +92,9 @@ def _refusal(model: nn.Module) -> str | None:
 def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
     """Makes each rank of ``group`` attend over the whole packed row, within each conversation.
 
-    On rank ``r`` of ``W``, ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss``
-    with ``n = count_num_items(batch)`` (summed over all processes, each rank counting the batch it
+    On rank ``r`` of ``W``,
+    ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss`` with
+    ``n = count_num_items(batch)`` (summed over all processes, each rank counting the batch it
     shards) is rank ``r``'s share of the one-process loss; the shares and the gradients summed over
     the ranks are the one-process ones. Sliding windows, attention softcaps and sinks are exact.
     Works with the packed loss on the logits or fused, PEFT and gradient checkpointing (several
@@ -268,9 +269,9 @@ def _check_facts(table: list, world: int) -> None:
             )
         if problem == _NO_SHIFT_LABELS:
             raise ValueError(
-                f"rank {rank} called the model with labels but without shift_labels: pass the shard "
-                "as collators.shard_batch returns it (its shift_labels keep the target of each "
-                "chunk's last token)"
+                f"rank {rank} called the model with labels but without shift_labels: pass the "
+                "shard as collators.shard_batch returns it (its shift_labels keep the target of "
+                "each chunk's last token)"
             )
         if problem == _NO_NUM_ITEMS:
             raise ValueError(
@@ -303,7 +304,7 @@ def _check_facts(table: list, world: int) -> None:
         if row[5] and row[7] < world * mass * (1 - 1e-9):
             raise ValueError(
                 f"rank {rank} passed num_items_in_batch={row[7]:g}, less than {world} times this "
-                f"row's own normaliser ({mass:g}): count it with count_num_items(batch) of the whole "
-                "batch, summed over all processes (the default): each of the group's "
+                f"row's own normaliser ({mass:g}): count it with count_num_items(batch) of the "
+                "whole batch, summed over all processes (the default): each of the group's "
                 f"{world} ranks counts the row it shards, and the model divides by {world}"
             )
