@@ -166,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``packed-ce``; returns the exit status (2 for a user error, printed as one line)."""
+    """Entry point of ``packed-ce``; returns the exit status (2 for a user error, printed as one
+    line).
+    """
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -182,9 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args) -> int:
     # Imported here, not at the top: `packed-ce --help` answers without loading torch.
-    from collators.data import local_path
-
     import packed_ce_demo as demo
+    from collators.data import local_path
 
     device = _device(args.device) if args.command == "demo" else None  # before any data is read
 
@@ -246,7 +247,7 @@ def _device(name: str | None) -> str:
 
     Raises:
         ValueError naming ``--device``: not a torch device name (``gpu0``), or one this machine
-        lacks (``cuda`` without a CUDA GPU, ``cuda:3`` on a machine with fewer GPUs).
+            lacks (``cuda`` without a CUDA GPU, ``cuda:3`` on a machine with fewer GPUs).
     """
     import torch
 
@@ -260,7 +261,8 @@ def _device(name: str | None) -> str:
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"`--device` {name!r}: this machine has no CUDA GPU (or torch was built without CUDA); use --device cpu"
+            f"`--device` {name!r}: this machine has no CUDA GPU (or torch was built without CUDA); "
+            "use --device cpu"
         )
     try:
         torch.empty(0, device=device)
