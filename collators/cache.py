@@ -1,9 +1,9 @@
 """Cache files reused only for exactly the inputs they were written for.
 
-``datasets.Dataset.map`` reuses an existing ``cache_file_name`` without looking at any fingerprint, so a second call
-with other data or options would return the first call's rows. A key file beside the cache (``<file>.key``) records
-the inputs it was written for; a cache without a matching one is removed (with the shards ``num_proc`` wrote) before
-``map`` runs, so it is written anew.
+``datasets.Dataset.map`` reuses an existing ``cache_file_name`` without looking at any fingerprint,
+so a second call with other data or options would return the first call's rows. A key file beside
+the cache (``<file>.key``) records the inputs it was written for; a cache without a matching one is
+removed (with the shards ``num_proc`` wrote) before ``map`` runs, so it is written anew.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def reusable(path: str, key: str) -> bool:
 
 
 def record(path: str, key: str) -> None:
-    """Record that the cache at ``path`` was written for ``key`` (written then renamed: never half a key)."""
+    """Record that the cache at ``path`` was written for ``key`` (written then renamed: never half a
+    key).
+    """
     folder = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile(
         "w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8"

@@ -36,43 +36,47 @@ def tokenize_conversation(
     ignore_index: int = IGNORE_INDEX,
     **template_kwargs,
 ) -> dict[str, list[int]] | None:
-    """Tokenize one conversation and label the tokens of every assistant turn.
+    r"""Tokenize one conversation and label the tokens of every assistant turn.
 
-    ``input_ids`` are ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``; ``labels`` equal them
-    on every assistant turn, its closing token(s) included (``<|im_end|>``, ``<|eot_id|>``, ...) so the model learns
-    to stop, and are ``ignore_index`` elsewhere (other turns, role headers, separators).
+    ``input_ids`` are ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``;
+    ``labels`` equal them on every assistant turn, its closing token(s) included (``<|im_end|>``,
+    ``<|eot_id|>``, ...) so the model learns to stop, and are ``ignore_index`` elsewhere (other
+    turns, role headers, separators).
 
-    Assistant tokens come from the template's ``{% generation %}`` mask if it has one; else what rendering up to
-    message ``i`` adds to the render up to ``i - 1`` with the generation prompt, trained up to its last special
-    token; else (templates that re-render earlier turns) the message's content located in the full render plus
-    the closing special token after it (tool calls then need generation markers).
+    Assistant tokens come from the template's ``{% generation %}`` mask if it has one; else what
+    rendering up to message ``i`` adds to the render up to ``i - 1`` with the generation prompt,
+    trained up to its last special token; else (templates that re-render earlier turns) the
+    message's content located in the full render plus the closing special token after it (tool calls
+    then need generation markers).
 
     Args:
-        tokenizer (``transformers.PreTrainedTokenizerBase``): with a chat template (a fast one without markers).
-        messages (``list[dict]``): ``[{"role": ..., "content": ...}, ...]`` (or ``tool_calls`` for an assistant).
-        max_length (``int``, *optional*): keep the first ``max_length`` tokens.
-        tools (``list[dict]``, *optional*), chat_template (``str``, *optional*), **template_kwargs: for the template.
-        skip_no_assistant (``bool``, *optional*, defaults to ``False``): return ``None`` instead of raising for a
-            conversation without an assistant turn.
-        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        tokenizer: ``transformers.PreTrainedTokenizerBase`` with a chat template (a fast one without
+            markers).
+        messages: ``[{"role": ..., "content": ...}, ...]`` (or ``tool_calls`` for an assistant).
+        max_length: keep the first ``max_length`` tokens.
+        tools, chat_template, **template_kwargs: for the template.
+        skip_no_assistant: return ``None`` instead of raising for a conversation without an
+            assistant turn.
+        ignore_index: the label of untrained tokens (default: -100).
 
     Returns:
-        ``dict`` of equal-length ``input_ids`` and ``labels``, or ``None`` for a skipped conversation.
+        ``dict`` of equal-length ``input_ids`` and ``labels``, or ``None`` for a skipped
+        conversation.
 
     Raises:
-        ``ValueError``: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
-        conversation has no assistant turn (unless skipped), or an assistant turn cannot be located.
+        ValueError: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
+            conversation has no assistant turn (unless skipped), or an assistant turn cannot be
+            located.
 
     Example:
-
-    >>> from collators import load_default_tokenizer, tokenize_conversation
-    >>> tokenizer = load_default_tokenizer()
-    >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    >>> example = tokenize_conversation(tokenizer, messages)
-    >>> tokenizer.decode(example["input_ids"])
-    '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n'
-    >>> tokenizer.decode([t for t in example["labels"] if t != -100])
-    'Hello<|im_end|>'
+        >>> from collators import load_default_tokenizer, tokenize_conversation
+        >>> tokenizer = load_default_tokenizer()
+        >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        >>> example = tokenize_conversation(tokenizer, messages)
+        >>> tokenizer.decode(example["input_ids"])
+        '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n'
+        >>> tokenizer.decode([t for t in example["labels"] if t != -100])
+        'Hello<|im_end|>'
     """
     if max_length is not None:
         positive_int(max_length, "max_length")
@@ -124,40 +128,40 @@ def tokenize_dataset(
     """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
 
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
-    ``cache_file_name``), reused only if it was written for exactly these inputs: the data's fingerprint, the
-    tokenizer, its chat template, ``max_length``, the other options and the labelling's version.
+    ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
+    fingerprint, the tokenizer, its chat template, ``max_length``, the other options and the
+    labelling's version.
 
     Args:
-        dataset (``datasets.Dataset``): has a column of conversations in the ``messages`` format.
-        tokenizer (``transformers.PreTrainedTokenizerBase``): any tokenizer with a chat template.
-        max_length (``int``, *optional*): keep the first ``max_length`` tokens (unset when packing:
-            ``pack_dataset`` counts over-long conversations itself).
-        messages_column (``str``, *optional*, defaults to ``"messages"``): the column of conversations.
-        skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop (and count in a warning) or, with
-            ``False``, refuse conversations without an assistant turn.
-        num_proc (``int``, *optional*): processes for ``datasets.Dataset.map``.
-        cache_file_name (``str``, *optional*): where to write the tokens (``datasets.Dataset.map``'s argument); a
-            file written for other inputs is written anew.
-        load_from_cache_file (``bool``, *optional*): reuse tokens written for the same inputs (default: unless
-            caching is disabled in ``datasets``).
-        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, ``ignore_index``, template
-            variables).
+        dataset: ``datasets.Dataset``, has a column of conversations in the ``messages`` format.
+        tokenizer: ``transformers.PreTrainedTokenizerBase``, any tokenizer with a chat template.
+        max_length: keep the first ``max_length`` tokens (unset when packing: ``pack_dataset``
+            counts over-long conversations itself).
+        messages_column: the column of conversations.
+        skip_no_assistant: drop (and count in a warning) or, with ``False``, refuse conversations
+            without an assistant turn.
+        num_proc: processes for ``datasets.Dataset.map``.
+        cache_file_name: where to write the tokens (``datasets.Dataset.map``'s argument); a file
+            written for other inputs is written anew.
+        load_from_cache_file: reuse tokens written for the same inputs (default: unless caching is
+            disabled in ``datasets``).
+        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``,
+            ``ignore_index``, template variables).
 
     Returns:
-        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``, other columns kept, one
-        row per kept conversation, in order.
+        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``,
+        other columns kept, one row per kept conversation, in order.
 
     Example:
-
-    >>> from datasets import Dataset
-    >>> from collators import load_default_tokenizer, tokenize_dataset
-    >>> conversations = Dataset.from_dict({"messages": [
-    ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
-    ...     [{"role": "user", "content": "Anyone there?"}],
-    ... ]})
-    >>> tokenized = tokenize_dataset(conversations, load_default_tokenizer())
-    >>> tokenized.num_rows, tokenized.column_names
-    (1, ['input_ids', 'labels'])
+        >>> from datasets import Dataset
+        >>> from collators import load_default_tokenizer, tokenize_dataset
+        >>> conversations = Dataset.from_dict({"messages": [
+        ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        ...     [{"role": "user", "content": "Anyone there?"}],
+        ... ]})
+        >>> tokenized = tokenize_dataset(conversations, load_default_tokenizer())
+        >>> tokenized.num_rows, tokenized.column_names
+        (1, ['input_ids', 'labels'])
     """
     import datasets
     from datasets.fingerprint import Hasher
@@ -173,7 +177,8 @@ def tokenize_dataset(
     taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
     if taken:
         raise ValueError(
-            f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove or rename them."
+            f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove "
+            "or rename them."
         )
 
     def tokenize_batch(batch):
@@ -235,7 +240,8 @@ def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
         return chat_template
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "`tokenizer` has no chat template: set `tokenizer.chat_template` or pass `chat_template=`."
+            "`tokenizer` has no chat template: set `tokenizer.chat_template` or pass "
+            "`chat_template=`."
         )
     # A tokenizer may hold several named templates (e.g. "default" and "tool_use").
     return tokenizer.get_chat_template(None, tools)
@@ -268,8 +274,8 @@ def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = Fa
 def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index):
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
-            "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} markers: "
-            "locating the assistant tokens needs one or the other."
+            "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} "
+            "markers: locating the assistant tokens needs one or the other."
         )
     text = _render(tokenizer, messages, render_kwargs)
     # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
@@ -317,7 +323,9 @@ def _turn_span(tokenizer, messages, turn, text, render_kwargs):
 
 
 def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int, int]:
-    """Characters of message ``turn``'s content in the full render, found by rendering a stand-in instead."""
+    """Characters of message ``turn``'s content in the full render, found by rendering a stand-in
+    instead.
+    """
     stand_in = [dict(message) for message in messages]
     stand_in[turn]["content"] = _SENTINEL
     stand_in[turn].pop("tool_calls", None)
@@ -326,9 +334,9 @@ def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int,
     suffix = _common_prefix(text[start:][::-1], other[start:][::-1])
     if other[start : len(other) - suffix] != _SENTINEL:
         raise ValueError(
-            f"Cannot locate assistant message {turn} of `messages` in the rendered conversation: the chat template "
-            "rewrites earlier turns and does not render this message's content verbatim. Add {% generation %} "
-            "markers around the assistant output in the template."
+            f"Cannot locate assistant message {turn} of `messages` in the rendered conversation: "
+            "the chat template rewrites earlier turns and does not render this message's content "
+            "verbatim. Add {% generation %} markers around the assistant output in the template."
         )
     return start, len(text) - suffix
 
@@ -355,7 +363,9 @@ def _content_and_closing_tokens(
 
 
 def _tokens_in(token_at, start: int, end: int) -> tuple[int, int]:
-    """First and last token overlapping characters [start, end) (zero-width tokens between them included)."""
+    """First and last token overlapping characters [start, end) (zero-width tokens between them
+    included).
+    """
     covered = [t for t in token_at[start:end] if t >= 0]
     return covered[0], covered[-1]
 

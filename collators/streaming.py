@@ -1,9 +1,10 @@
 """Packing a stream window by window: memory bounded by the window, whatever the stream's length.
 
-``pack_windows`` reads and checks the conversations, packs each window of ``buffer_size`` with best-fit-decreasing
-(``planning``) and yields its rows as arrays; ``pack_stream`` / ``PackedIterableDataset`` turn them into rows one by
-one, ``write_stream`` (``pack_dataset`` on a ``datasets.IterableDataset``) into an Arrow file a window at a time.
-All three give the rows of ``pack_dataset``: the same columns, carried the same way.
+``pack_windows`` reads and checks the conversations, packs each window of ``buffer_size`` with
+best-fit-decreasing (``planning``) and yields its rows as arrays; ``pack_stream`` /
+``PackedIterableDataset`` turn them into rows one by one, ``write_stream`` (``pack_dataset`` on a
+``datasets.IterableDataset``) into an Arrow file a window at a time. All three give the rows of
+``pack_dataset``: the same columns, carried the same way.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from .planning import (
     row_metadata,
 )
 
-# ``pack_dataset``'s window on a ``datasets.IterableDataset``, in conversations: at a mean of 500 tokens about 8M
-# tokens, +0.15 GiB held, 0.07% more rows than packing the whole data set (benchmarks/README.md, per window).
+# ``pack_dataset``'s window on a ``datasets.IterableDataset``, in conversations: at a mean of 500
+# tokens about 8M tokens, +0.15 GiB held, 0.07% more rows than packing the whole data set
+# (benchmarks/README.md, per window).
 STREAM_WINDOW = 16384
 _INT32 = np.iinfo(np.int32)
 
@@ -40,11 +42,14 @@ class Window:
     """The rows packed from one window, as arrays.
 
     Attributes:
-        input_ids, labels: ``(N,)`` int32 (int64 where a value needs it), the rows' tokens back to back.
-        token_bounds: ``(R + 1,)`` int64, row ``r`` holds tokens ``[token_bounds[r], token_bounds[r + 1])``.
-        piece_bounds: ``(R + 1,)`` int64, row ``r`` holds pieces ``[piece_bounds[r], piece_bounds[r + 1])``.
-        columns: per row column after the tokens (``seq_lengths``, ``seq_targets``, the carried ones), one value per
-            piece: an array, or a list for a column without a ``dtype``.
+        input_ids, labels: ``(N,)`` int32 (int64 where a value needs it), the rows' tokens back to
+            back.
+        token_bounds: ``(R + 1,)`` int64, row ``r`` holds tokens
+            ``[token_bounds[r], token_bounds[r + 1])``.
+        piece_bounds: ``(R + 1,)`` int64, row ``r`` holds pieces
+            ``[piece_bounds[r], piece_bounds[r + 1])``.
+        columns: per row column after the tokens (``seq_lengths``, ``seq_targets``, the carried
+            ones), one value per piece: an array, or a list for a column without a ``dtype``.
     """
 
     input_ids: np.ndarray
@@ -63,8 +68,10 @@ def pack_windows(
     stats: PackingStats,
     where: str = "examples",
 ) -> Iterator[Window]:
-    """Check each conversation of ``examples`` and pack each ``buffer_size`` of them, updating ``stats`` (logged at
-    the end). Every example has the first one's columns; errors name ``{where}[index]``."""
+    """Check each conversation of ``examples`` and pack each ``buffer_size`` of them, updating
+    ``stats`` (logged at the end). Every example has the first one's columns; errors name
+    ``{where}[index]``.
+    """
     buffer, carried, names = _Buffer(ignore_index), {}, None
     for index, example in enumerate(examples):
         name = f"{where}[{index}]"
@@ -82,7 +89,8 @@ def pack_windows(
         labels = token_array(example[LABELS], f"{name}['labels']")
         if len(input_ids) != len(labels):
             raise ValueError(
-                f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must agree."
+                f"`{name}` has {len(input_ids)} input_ids but {len(labels)} labels: they must "
+                "agree."
             )
         check_tokens(input_ids, labels, ignore_index, name)
         values = [column.check(example[key], f"{name}[{key!r}]") for key, column in carried.items()]
@@ -99,8 +107,9 @@ def pack_windows(
 
 
 class _Buffer:
-    """A window's conversations: their tokens back to back in two arrays kept from window to window (int32 while
-    every value fits), so that packing a long stream does not fragment the heap with one array per conversation.
+    """A window's conversations: their tokens back to back in two arrays kept from window to window
+    (int32 while every value fits), so that packing a long stream does not fragment the heap with
+    one array per conversation.
 
     Attributes:
         input_ids, labels: ``(capacity,)``, the first ``ends[-1]`` filled.
@@ -108,9 +117,8 @@ class _Buffer:
     """
 
     def __init__(self, ignore_index: int):
-        dtype = (
-            np.int32 if _INT32.min <= ignore_index <= _INT32.max else np.int64
-        )  # labels take it at cuts
+        # labels take it at cuts
+        dtype = np.int32 if _INT32.min <= ignore_index <= _INT32.max else np.int64
         self.input_ids, self.labels = np.empty(0, dtype), np.empty(0, dtype)
         self.ends, self.values = [], []
 
@@ -160,7 +168,8 @@ def _pack_window(
         for tokens in (buffer.input_ids, buffer.labels)
     )
     starts = np.cumsum(plan.length) - plan.length
-    # A piece after the first repeats the token before its cut, whose label was trained in the piece before.
+    # A piece after the first repeats the token before its cut, whose label was trained in the piece
+    # before.
     labels[starts[plan.offset > 0]] = ignore_index
     piece_bounds = np.concatenate(([0], np.cumsum(plan.per_row)))
     columns = row_metadata(plan, targets, overflow == "split")
@@ -184,35 +193,36 @@ def pack_stream(
     ignore_index: int = IGNORE_INDEX,
     stats: PackingStats | None = None,
 ) -> Iterator[dict[str, list]]:
-    """Pack a stream of tokenized conversations into rows of at most ``max_tokens`` tokens, on the fly.
+    """Pack a stream of tokenized conversations into rows of at most ``max_tokens`` tokens, on the
+    fly.
 
-    Each ``buffer_size`` conversations are packed with best-fit-decreasing (bounded memory; a larger buffer packs
-    tighter); over-long ones as in ``pack_dataset``, counted in ``stats`` and logged at the end.
+    Each ``buffer_size`` conversations are packed with best-fit-decreasing (bounded memory; a larger
+    buffer packs tighter); over-long ones as in ``pack_dataset``, counted in ``stats`` and logged at
+    the end.
 
     Args:
-        examples (iterable of dict): each with ``input_ids`` and ``labels`` (equal-length sequences of ints), e.g. a
-            tokenized ``datasets.IterableDataset``; every other key is carried as in ``pack_dataset`` (``weight`` as
-            ``seq_weights``, ``source`` as ``seq_sources``, ``name`` as ``seq_<name>``; one value per conversation),
-            and every example has the first one's keys.
-        max_tokens (``int``): row capacity in tokens (at least 2 with ``overflow="split"``).
-        overflow (``str``, *optional*, defaults to ``"truncate"``): ``"truncate"``, ``"drop"``, ``"split"`` or
-            ``"error"``.
-        buffer_size (``int``, *optional*, defaults to 1024): conversations packed together.
-        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
-        stats (``PackingStats``, *optional*): updated in place as the stream is read.
+        examples: each with ``input_ids`` and ``labels`` (equal-length sequences of ints), e.g. a
+            tokenized ``datasets.IterableDataset``; every other key is carried as in
+            ``pack_dataset`` (``weight`` as ``seq_weights``, ``source`` as ``seq_sources``, ``name``
+            as ``seq_<name>``; one value per conversation), and every example has the first one's
+            keys.
+        max_tokens: row capacity in tokens (at least 2 with ``overflow="split"``).
+        overflow: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"``.
+        buffer_size: conversations packed together.
+        ignore_index: the label of untrained tokens (default: -100).
+        stats: updated in place as the stream is read.
 
     Yields:
-        ``dict``: a row in the layout of ``pack_dataset``, lists of Python values.
+        a row in the layout of ``pack_dataset``, lists of Python values.
 
     Example:
-
-    >>> from collators import pack_stream
-    >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
-    >>> [row["seq_lengths"] for row in pack_stream(stream, max_tokens=6)]
-    [[5], [3, 2]]
-    >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
-    >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
-    [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
+        >>> from collators import pack_stream
+        >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
+        >>> [row["seq_lengths"] for row in pack_stream(stream, max_tokens=6)]
+        [[5], [3, 2]]
+        >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
+        >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
+        [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
     """
     # Checked here, at the call, not at the first row a generator would reach.
     max_tokens = check_packing_options(max_tokens, overflow, "max_tokens")
@@ -245,11 +255,11 @@ def write_stream(
     ignore_index: int,
     stats: PackingStats,
 ):
-    """``pack_dataset``'s rows of a ``datasets.IterableDataset``, written to the Arrow file ``path`` a window at a
-    time and returned memory-mapped (a ``datasets.Dataset``).
+    """``pack_dataset``'s rows of a ``datasets.IterableDataset``, written to the Arrow file ``path``
+    a window at a time and returned memory-mapped (a ``datasets.Dataset``).
 
-    The columns' Arrow types are the data set's ``features`` where it declares them (token lists keep their
-    integer type), else int64 tokens and the types of the first window's values.
+    The columns' Arrow types are the data set's ``features`` where it declares them (token lists
+    keep their integer type), else int64 tokens and the types of the first window's values.
     """
     import datasets
     import pyarrow as pa
@@ -278,7 +288,8 @@ def write_stream(
                 dataset, max_length, overflow, buffer_size, ignore_index, stats, "dataset"
             ):
                 if len(window.token_bounds) == 1:
-                    continue  # no row (every conversation dropped or empty), no value to take a type from
+                    # no row (every conversation dropped or empty), no value to take a type from
+                    continue
                 table = _window_table(window, types)
                 if writer is None:
                     schema = table.schema
@@ -321,7 +332,9 @@ def _window_table(window: Window, types: dict):
 
 
 def _cast(table, schema):
-    """``table`` in the first window's ``schema``; ValueError naming a column whose values changed type."""
+    """``table`` in the first window's ``schema``; ValueError naming a column whose values changed
+    type.
+    """
     import pyarrow as pa
 
     for field in schema:
@@ -330,35 +343,37 @@ def _cast(table, schema):
                 column = table.column(field.name).cast(field.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                 raise ValueError(
-                    f"`dataset` column {field.name!r} holds {table.schema.field(field.name).type.value_type} values "
-                    f"after {field.type.value_type} ones: give it one type (dataset.cast_column)."
+                    f"`dataset` column {field.name!r} holds "
+                    f"{table.schema.field(field.name).type.value_type} values after "
+                    f"{field.type.value_type} ones: give it one type (dataset.cast_column)."
                 ) from None
             table = table.set_column(table.schema.get_field_index(field.name), field.name, column)
     return table
 
 
 class PackedIterableDataset(torch.utils.data.IterableDataset):
-    """A ``torch.utils.data.IterableDataset`` of packed rows over a stream of tokenized conversations.
+    """A ``torch.utils.data.IterableDataset`` of packed rows over a stream of tokenized
+    conversations.
 
-    ``pack_stream`` for a ``DataLoader``. With ``num_workers > 0`` a ``torch.utils.data.IterableDataset`` source splits
-    its own examples between workers; any other iterable is split here (worker ``w`` takes every
-    ``num_workers``-th from ``w``). ``stats``: the last iteration's counts in this process.
+    ``pack_stream`` for a ``DataLoader``. With ``num_workers > 0`` a
+    ``torch.utils.data.IterableDataset`` source splits its own examples between workers; any other
+    iterable is split here (worker ``w`` takes every ``num_workers``-th from ``w``). ``stats``: the
+    last iteration's counts in this process.
 
     Args:
-        source (iterable of dict): conversations with ``input_ids`` and ``labels``.
-        max_tokens (``int``): row capacity in tokens.
-        overflow (``str``, *optional*, defaults to ``"truncate"``): as in ``pack_stream`` (``"split"`` included).
-        buffer_size (``int``, *optional*, defaults to 1024): as in ``pack_stream``.
+        source: conversations with ``input_ids`` and ``labels``.
+        max_tokens: row capacity in tokens.
+        overflow: as in ``pack_stream`` (``"split"`` included).
+        buffer_size: as in ``pack_stream``.
 
     Example:
-
-    >>> from torch.utils.data import DataLoader
-    >>> from collators import PackedCollator, PackedIterableDataset
-    >>> source = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
-    >>> loader = DataLoader(PackedIterableDataset(source, max_tokens=8), batch_size=1, collate_fn=PackedCollator())
-    >>> batch = next(iter(loader))
-    >>> batch["input_ids"], batch["cu_seqlens"]
-    (tensor([[1, 2, 3, 4, 5]]), tensor([0, 3, 5], dtype=torch.int32))
+        >>> from torch.utils.data import DataLoader
+        >>> from collators import PackedCollator, PackedIterableDataset
+        >>> source = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
+        >>> loader = DataLoader(PackedIterableDataset(source, max_tokens=8), batch_size=1, collate_fn=PackedCollator())
+        >>> batch = next(iter(loader))
+        >>> batch["input_ids"], batch["cu_seqlens"]
+        (tensor([[1, 2, 3, 4, 5]]), tensor([0, 3, 5], dtype=torch.int32))
     """
 
     def __init__(
