@@ -1,5 +1,4 @@
-"""``pack_dataset``'s reading and writing of a ``datasets.Dataset``: tokens read in place, rows
-written in batches.
+"""``pack_dataset`` on a ``datasets.Dataset``: tokens read in place, rows written in batches.
 
 ``TokenColumn`` views the memory-mapped Arrow chunks in place (file-backed pages, not the process's
 memory), ``scan_tokens`` checks tokens and counts targets a block at a time, ``write_rows`` fills
@@ -29,11 +28,10 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 class TokenColumn:
-    """A list-of-ints column of an Arrow table, read in place: per chunk, views of its offsets and
-    values.
+    """A list-of-ints Arrow column, read in place: per chunk, views of its offsets and values.
 
     Args:
-        table: ``pyarrow.Table``, the rows, in the data set's order (no indices mapping).
+        table: a ``pyarrow.Table`` of the rows, in the data set's order (no indices mapping).
         name: the column, lists of ints (any integer width; tokens keep it).
 
     Attributes:
@@ -108,9 +106,7 @@ class TokenColumn:
 
 
 def list_array(bounds: np.ndarray, values):
-    """Arrow lists ``values[bounds[i]:bounds[i+1]]``; 64-bit offsets only when 32 bits cannot hold
-    them.
-    """
+    """Arrow lists ``values[bounds[i]:bounds[i+1]]``; 64-bit offsets if 32 bits are too few."""
     import pyarrow as pa
 
     if bounds[-1] < 2**31:
@@ -138,8 +134,7 @@ def scan_tokens(
 
 
 class _FillRows:
-    """The ``map`` function of ``write_rows``: a batch of the plan (Arrow) to the same rows with
-    their tokens.
+    """``write_rows``' ``map`` function: a batch of the plan (Arrow) to the same rows with tokens.
 
     Pickled for ``num_proc`` workers without its views: each builds its own.
     """
@@ -199,9 +194,9 @@ def write_rows(
     with ``datasets.Dataset.map``.
 
     Args:
-        dataset: ``datasets.Dataset``, the conversations, without an indices mapping; columns: its
-            tokens, read.
-        plan: ``pyarrow.Table``, one row per packed row.
+        dataset: the ``datasets.Dataset`` of conversations, without an indices mapping; columns:
+            its tokens, read.
+        plan: a ``pyarrow.Table``, one row per packed row.
         fingerprint: the key of every input the rows depend on: the result's fingerprint, the name
             of the default cache file, and what a ``cache_file_name`` must have been written for to
             be reused.

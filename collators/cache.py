@@ -56,9 +56,7 @@ def reusable(path: str, key: str) -> bool:
 
 
 def record(path: str, key: str) -> None:
-    """Record that the cache at ``path`` was written for ``key`` (written then renamed: never half a
-    key).
-    """
+    """Record that the cache at ``path`` is for ``key`` (written then renamed: never half a key)."""
     folder = os.path.dirname(os.path.abspath(path))
     with tempfile.NamedTemporaryFile(
         "w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8"

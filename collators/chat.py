@@ -71,7 +71,10 @@ def tokenize_conversation(
     Example:
         >>> from collators import load_default_tokenizer, tokenize_conversation
         >>> tokenizer = load_default_tokenizer()
-        >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+        >>> messages = [
+        ...     {"role": "user", "content": "Hi"},
+        ...     {"role": "assistant", "content": "Hello"},
+        ... ]
         >>> example = tokenize_conversation(tokenizer, messages)
         >>> tokenizer.decode(example["input_ids"])
         '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n'
@@ -133,8 +136,8 @@ def tokenize_dataset(
     labelling's version.
 
     Args:
-        dataset: ``datasets.Dataset``, has a column of conversations in the ``messages`` format.
-        tokenizer: ``transformers.PreTrainedTokenizerBase``, any tokenizer with a chat template.
+        dataset: a ``datasets.Dataset`` with a column of conversations in the ``messages`` format.
+        tokenizer: any ``transformers.PreTrainedTokenizerBase`` with a chat template.
         max_length: keep the first ``max_length`` tokens (unset when packing: ``pack_dataset``
             counts over-long conversations itself).
         messages_column: the column of conversations.
@@ -323,9 +326,7 @@ def _turn_span(tokenizer, messages, turn, text, render_kwargs):
 
 
 def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int, int]:
-    """Characters of message ``turn``'s content in the full render, found by rendering a stand-in
-    instead.
-    """
+    """Characters of message ``turn``'s content in the full render, found with a stand-in."""
     stand_in = [dict(message) for message in messages]
     stand_in[turn]["content"] = _SENTINEL
     stand_in[turn].pop("tool_calls", None)
@@ -363,9 +364,7 @@ def _content_and_closing_tokens(
 
 
 def _tokens_in(token_at, start: int, end: int) -> tuple[int, int]:
-    """First and last token overlapping characters [start, end) (zero-width tokens between them
-    included).
-    """
+    """First and last token overlapping characters [start, end), zero-width ones between too."""
     covered = [t for t in token_at[start:end] if t >= 0]
     return covered[0], covered[-1]
 

@@ -15,9 +15,7 @@ import torch
 
 
 def positive_int(value, name: str, *, minimum: int = 1) -> int:
-    """``value`` as an ``int``, which must be an integer (not a bool or a float) and at least
-    ``minimum``.
-    """
+    """``value`` as an ``int``: an integer (not a bool or a float), at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__} {value!r}.")
     if value < minimum:
@@ -98,7 +96,7 @@ def conversation_weight(value, name: str) -> float:
 
 
 def weight_array(values, name: str) -> np.ndarray:
-    """Per-conversation weights as a 1-D float64 array: real, finite, >= 0, within float64's range."""
+    """Per-conversation weights as a 1-D float64 array: real, finite, >= 0, in float64's range."""
     if torch.is_tensor(values):
         values = values.detach().cpu().numpy()
     array = np.asarray(values)
@@ -182,8 +180,7 @@ def check_weight_range(weights: np.ndarray, where, data_name: str) -> None:
 def targets_per_sequence(
     labels: np.ndarray, lengths: np.ndarray, ignore_index: int, *, counted: np.ndarray | None = None
 ) -> np.ndarray:
-    """Targets of each sequence under the causal shift: labels other than ``ignore_index`` after its
-    first token.
+    """Targets per sequence under the causal shift: labels not ``ignore_index`` after the first.
 
     Args:
         labels: ``(N,)`` int64, the sequences back to back.

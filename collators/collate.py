@@ -80,8 +80,7 @@ def example_values(example: Mapping, index: int, count: int) -> dict:
 def sequence_columns(
     values: Sequence[dict], counts: Sequence[int], own: np.ndarray | None = None
 ) -> dict:
-    """Each ``SEQUENCE_COLUMNS`` key's values over a batch's sequences, for the columns the batch
-    carries.
+    """Each ``SEQUENCE_COLUMNS`` key's values over a batch's sequences, for the columns it carries.
 
     Args:
         values: per example, its ``example_values``.
@@ -214,15 +213,19 @@ class PackedCollator(_Collator):
 
         Two pieces of a split conversation of 4 targets, and a weighted conversation:
 
-        >>> rows = [{"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4], "seq_targets": [4],
-        ...          "seq_weights": [0.5]},
-        ...         {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, 8, 9, -100, 11], "seq_lengths": [3, 2],
-        ...          "seq_targets": [4, 1], "seq_weights": [0.5, 2.0]}]
+        >>> rows = [
+        ...     {"input_ids": [4, 5, 6, 7], "labels": [-100, -100, 6, 7], "seq_lengths": [4],
+        ...      "seq_targets": [4], "seq_weights": [0.5]},
+        ...     {"input_ids": [7, 8, 9, 10, 11], "labels": [-100, 8, 9, -100, 11],
+        ...      "seq_lengths": [3, 2], "seq_targets": [4, 1], "seq_weights": [0.5, 2.0]},
+        ... ]
         >>> batch = PackedCollator(pad_to_multiple_of=5)(rows)
         >>> batch["cu_seqlens"]
         tensor([ 0,  4,  7,  9, 10], dtype=torch.int32)
-        >>> batch["seq_targets"], batch["seq_weights"]
-        (tensor([4, 4, 1, 1], dtype=torch.int32), tensor([0.5000, 0.5000, 2.0000, 0.0000], dtype=torch.float64))
+        >>> batch["seq_targets"]
+        tensor([4, 4, 1, 1], dtype=torch.int32)
+        >>> batch["seq_weights"]
+        tensor([0.5000, 0.5000, 2.0000, 0.0000], dtype=torch.float64)
     """
 
     _FIELDS = ("pad_to_multiple_of", "pad_token_id", "ignore_index", "return_varlen_kwargs")
@@ -312,8 +315,7 @@ class PackedCollator(_Collator):
 
 
 class PaddedCollator(_Collator):
-    """Pad conversations to a ``(B, T)`` batch: the unpacked baseline, with the same boundary
-    metadata.
+    """Pad conversations to a ``(B, T)`` batch: the unpacked baseline, same boundary metadata.
 
     Returns:
         - ``input_ids`` ``(B, T)`` int64, right-padded with ``pad_token_id``;
@@ -332,7 +334,10 @@ class PaddedCollator(_Collator):
 
     Example:
         >>> from collators import PaddedCollator
-        >>> examples = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}]
+        >>> examples = [
+        ...     {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        ...     {"input_ids": [8, 9], "labels": [8, 9]},
+        ... ]
         >>> batch = PaddedCollator(pad_token_id=0)(examples)
         >>> batch["input_ids"], batch["attention_mask"], batch["labels"]
         (tensor([[5, 6, 7],
@@ -398,9 +403,7 @@ class PaddedCollator(_Collator):
 
 
 def _as_batch(columns: dict) -> dict:
-    """``sequence_columns``' values as a batch holds them: tensors of the column's ``dtype``, or
-    lists.
-    """
+    """``sequence_columns``' values as a batch holds them: ``dtype`` tensors, or lists."""
     return {
         key: torch.from_numpy(values) if isinstance(values, np.ndarray) else values
         for key, values in columns.items()

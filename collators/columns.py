@@ -116,9 +116,7 @@ class SequenceColumn:
     check_values: Callable[[Any, str], np.ndarray] | None = None
 
     def values(self, values, name: str):
-        """Per-sequence ``values`` (a sequence, array or tensor) checked: a ``dtype`` array, or a
-        list.
-        """
+        """Per-sequence ``values`` (list, array or tensor), checked: a ``dtype`` array or a list."""
         if torch.is_tensor(values):
             values = values.detach().cpu().numpy()
         array = (
@@ -161,9 +159,7 @@ class SequenceColumn:
         return values if self.dtype is None else np.array(values, dtype=self.dtype)
 
     def padded(self, values, count: int = 1):
-        """``values`` (tensor, array or list) with ``count`` padding values appended, in the same
-        kind.
-        """
+        """``values`` (tensor, array or list) with ``count`` padding values appended, same kind."""
         if torch.is_tensor(values):
             return torch.cat((values, values.new_full((count,), self.padding)))
         if isinstance(values, np.ndarray):

@@ -1,6 +1,4 @@
-"""Data that works offline: the English dialogues of ``chatterbot-corpus`` and a small BPE tokenizer
-trained on them.
-"""
+"""Offline data: the English ``chatterbot-corpus`` dialogues and a BPE tokenizer trained on them."""
 
 from __future__ import annotations
 
@@ -21,9 +19,7 @@ _TOKENIZER_RECIPE = "bytelevel-bpe-v1"
 
 
 def require_demo_extra(caller: str) -> None:
-    """ImportError naming the ``demo`` extra (else: ``PackageNotFoundError: chatterbot-corpus`` or
-    no ``yaml``).
-    """
+    """ImportError naming the ``demo`` extra, not ``PackageNotFoundError`` or a missing ``yaml``."""
     try:
         import chatterbot_corpus  # noqa: F401
         import yaml  # noqa: F401
@@ -81,8 +77,7 @@ def load_default_dataset(*, system_prompt: bool = True):
 def load_default_tokenizer(
     *, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None
 ):
-    """A byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues, with a ChatML chat
-    template.
+    """A ChatML-templated byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues.
 
     Deterministic, about a second, cached in ``cache_dir``, ``$PACKED_CE_CACHE`` or
     ``~/.cache/packed_ce``. Special tokens ``<|endoftext|>`` (padding), ``<|im_start|>``,
@@ -143,8 +138,7 @@ def load_messages_dataset(
     messages_column: str = "messages",
     **kwargs,
 ):
-    r"""A data set in the ``messages`` format, from a local file or folder (``read_dataset``) or a
-    hub name.
+    r"""A ``messages`` data set from a local file or folder (``read_dataset``) or a hub name.
 
     Args:
         name_or_path: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file, a folder of them or
@@ -165,7 +159,10 @@ def load_messages_dataset(
     Example:
         >>> import json, tempfile
         >>> from collators import load_messages_dataset
-        >>> record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+        >>> record = {"messages": [
+        ...     {"role": "user", "content": "Hi"},
+        ...     {"role": "assistant", "content": "Hello"},
+        ... ]}
         >>> with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         ...     _ = f.write(json.dumps(record) + "\n")
         >>> load_messages_dataset(f.name)[0]["messages"][1]
@@ -188,8 +185,7 @@ _FORMATS = ".json, .jsonl, .parquet or .arrow"
 
 
 def read_dataset(name_or_path: str | os.PathLike, *, split: str = "train", **kwargs):
-    """A ``datasets.Dataset`` of at least one row from a local file or folder, or a hub name,
-    whatever it holds.
+    """A ``datasets.Dataset`` (any columns, at least one row) from a local file, folder or hub name.
 
     Local: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file (Arrow: the stream format of
     ``datasets``' own files, memory-mapped, or the IPC file format), a folder written by
@@ -334,7 +330,7 @@ def local_path(name_or_path: str | os.PathLike, argument: str) -> Path | None:
 
 
 def _raise_json_error(path: Path, error: Exception):
-    """Re-raise a failed JSON load as a ``ValueError`` naming the first malformed line, if one is."""
+    """Re-raise a failed JSON load as a ``ValueError`` naming the first malformed line, if any."""
     import json
 
     text = path.read_text(encoding="utf-8")

@@ -1,5 +1,4 @@
-"""``pack_dataset``: tokenized conversations into rows of at most ``max_length`` tokens, boundaries
-kept.
+"""``pack_dataset``: tokenized conversations into rows of at most ``max_length`` tokens.
 
 A ``datasets.Dataset`` is packed whole with best-fit-decreasing (``planning``; rows written to an
 Arrow cache, ``arrow_rows``), a ``datasets.IterableDataset`` window by window as it is read
@@ -41,8 +40,7 @@ def pack_dataset(
     load_from_cache_file: bool | None = None,
     buffer_size: int | None = None,
 ):
-    """Pack tokenized conversations into rows of at most ``max_length`` tokens with
-    best-fit-decreasing.
+    """Pack tokenized conversations into rows of at most ``max_length`` tokens, best-fit-decreasing.
 
     A ``datasets.Dataset`` is packed whole, so long conversations of one part find short ones of
     another; deterministic. Its memory does not grow with the token count: the plan needs only
@@ -56,11 +54,11 @@ def pack_dataset(
     split (``collators.planning``) or raises; each case is counted in ``PackingStats`` and logged.
 
     Args:
-        dataset: ``datasets.Dataset`` or ``datasets.IterableDataset``, ``input_ids`` and ``labels``
-            (equal-length lists of ints, as ``tokenize_dataset`` makes). Every other column goes to
-            each piece (``collators.columns.SEQUENCE_COLUMNS``): ``weight`` (real >= 0) as
-            ``seq_weights``, ``source`` (strings) as ``seq_sources``, any other ``name`` as
-            ``seq_<name>``; a column of lists or structs raises.
+        dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset`` of ``input_ids`` and
+            ``labels`` (equal-length lists of ints, as ``tokenize_dataset`` makes). Every other
+            column goes to each piece (``collators.columns.SEQUENCE_COLUMNS``): ``weight``
+            (real >= 0) as ``seq_weights``, ``source`` (strings) as ``seq_sources``, any other
+            ``name`` as ``seq_<name>``; a column of lists or structs raises.
         max_length: row capacity in tokens (at least 2 with ``overflow="split"``).
         overflow: what to do with a conversation longer than ``max_length``: ``"truncate"``,
             ``"drop"``, ``"split"`` or ``"error"`` (raise ``ValueError``).
@@ -92,15 +90,18 @@ def pack_dataset(
     Example:
         >>> from datasets import Dataset
         >>> from collators import pack_dataset
-        >>> dataset = Dataset.from_dict({
-        ...     "input_ids": [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]],
-        ...     "labels": [[-100, 2, 3], [-100, -100, 6, 7, 8, 9], [-100, 11], [-100, 13, 14, 15, 16]],
-        ... })
+        >>> input_ids = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]]
+        >>> labels = [[-100, 2, 3], [-100, -100, 6, 7, 8, 9], [-100, 11], [-100, 13, 14, 15, 16]]
+        >>> dataset = Dataset.from_dict({"input_ids": input_ids, "labels": labels})
         >>> packed, stats = pack_dataset(dataset, max_length=8, return_stats=True)
-        >>> packed[0]
-        {'input_ids': [4, 5, 6, 7, 8, 9, 10, 11], 'labels': [-100, -100, 6, 7, 8, 9, -100, 11], 'seq_lengths': [6, 2]}
-        >>> packed[1]
-        {'input_ids': [12, 13, 14, 15, 16, 1, 2, 3], 'labels': [-100, 13, 14, 15, 16, -100, 2, 3], 'seq_lengths': [5, 3]}
+        >>> packed.column_names
+        ['input_ids', 'labels', 'seq_lengths']
+        >>> packed["input_ids"][:]
+        [[4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 1, 2, 3]]
+        >>> packed["labels"][:]
+        [[-100, -100, 6, 7, 8, 9, -100, 11], [-100, 13, 14, 15, 16, -100, 2, 3]]
+        >>> packed["seq_lengths"][:]
+        [[6, 2], [5, 3]]
         >>> stats.num_rows, stats.efficiency, stats.num_truncated
         (2, 1.0, 0)
 
@@ -237,9 +238,7 @@ def _pack_iterable(
     load_from_cache_file,
     buffer_size,
 ):
-    """``pack_dataset`` of a ``datasets.IterableDataset``: window by window into an Arrow file
-    (``write_stream``).
-    """
+    """``pack_dataset`` of an ``IterableDataset``: by window to an Arrow file (``write_stream``)."""
     from datasets.fingerprint import (
         generate_random_fingerprint,
         get_temporary_cache_files_directory,

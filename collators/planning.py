@@ -75,9 +75,7 @@ class PackingStats:
 
     @property
     def efficiency(self) -> float:
-        """Real tokens over row capacity: ``num_tokens / (num_rows * max_length)`` (1.0 when there
-        is no row).
-        """
+        """Real tokens over capacity: ``num_tokens / (num_rows * max_length)``, 1.0 without rows."""
         return self.num_tokens / (self.num_rows * self.max_length) if self.num_rows else 1.0
 
     def __str__(self) -> str:
@@ -174,7 +172,7 @@ def check_packing_options(max_length, overflow, name: str = "max_length") -> int
 def cut_to_capacity(
     lengths: np.ndarray, max_length: int, overflow: Overflow, stats: PackingStats
 ) -> np.ndarray:
-    """Lengths after overflow handling (split conversations keep theirs): 0 marks an item left out."""
+    """Lengths after overflow handling (split conversations keep theirs): 0 for an item left out."""
     too_long = lengths > max_length
     stats.num_conversations += len(lengths)
     stats.num_empty += int((lengths == 0).sum())
@@ -200,21 +198,16 @@ def cut_to_capacity(
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Which piece of which conversation goes where: pieces in row order, rows in the order they
-    were opened.
-    """
+    """Which piece of which conversation goes where: pieces in row order, rows in opening order."""
 
     source: np.ndarray  # (P,) int64: index of the piece's conversation in the input
-    # (P,) int64: first token of the piece within its conversation (0 unless split)
-    offset: np.ndarray
+    offset: np.ndarray  # (P,) int64: the piece's first token in its conversation (0 unless split)
     length: np.ndarray  # (P,) int64: tokens of the piece
     per_row: np.ndarray  # (R,) int64: pieces in each row
 
 
 def plan_rows(kept: np.ndarray, max_length: int, split: bool, stats: PackingStats) -> Plan:
-    """Cut conversations of ``kept`` tokens (0: left out) into pieces and pack them with
-    best-fit-decreasing.
-    """
+    """Pieces of conversations of ``kept`` tokens (0: left out), packed best-fit-decreasing."""
     source = np.flatnonzero(kept > 0)
     length = kept[source]
     offset = np.zeros_like(length)

@@ -60,9 +60,7 @@ class ShardRecord:
 
 
 def _chunks_per_rank(per_rank: int) -> int:
-    """``m``: the most chunks of at least ``CHUNK_TOKENS`` tokens that divide a rank's even share,
-    at least 2.
-    """
+    """``m``: the most chunks of >= ``CHUNK_TOKENS`` tokens dividing a rank's even share, >= 2."""
     for count in range(per_rank // CHUNK_TOKENS, 2, -1):
         if per_rank % count == 0:
             return count
@@ -70,8 +68,7 @@ def _chunks_per_rank(per_rank: int) -> int:
 
 
 def balanced_chunks(lengths: np.ndarray, num_tokens: int, world_size: int) -> np.ndarray:
-    """Which chunks each rank holds: the ranks' causal attention work balanced (the module
-    docstring).
+    """Which chunks each rank holds: the ranks' causal attention work balanced (module docstring).
 
     Args:
         lengths: ``(S,)`` int64 sequence lengths, summing to ``num_tokens``, a multiple of
@@ -139,7 +136,7 @@ def shard_batch(
     returned here.
 
     Args:
-        batch: of ``PackedCollator``: ``input_ids``, ``labels`` ``(1, T)``, ``cu_seqlens``
+        batch: a ``PackedCollator`` batch: ``input_ids``, ``labels`` ``(1, T)``, ``cu_seqlens``
             ``(S + 1,)``, optionally ``position_ids``, ``seq_targets``, ``seq_weights``.
         rank: this rank, in ``[0, world_size)``.
         world_size: ranks sharing the row.
@@ -166,7 +163,7 @@ def shard_batch(
         >>> from collators import PackedCollator, shard_batch
         >>> batch = PackedCollator()([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5]},
         ...                           {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]}])
-        >>> shard = shard_batch(batch, rank=1, world_size=2)  # chunks 2 and 3 of [1 2][3 4][5 6][7 8]
+        >>> shard = shard_batch(batch, rank=1, world_size=2)  # chunks 2, 3 of [1 2][3 4][5 6][7 8]
         >>> shard["input_ids"], shard["shift_labels"]
         (tensor([[5, 6, 7, 8]]), tensor([[-100,    7,    8, -100]]))
         >>> shard["cu_seqlens"], shard["seq_targets"]
@@ -315,8 +312,7 @@ def shard_batch(
 def shard_for_rank(
     batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX
 ) -> dict:
-    """One context-parallel rank's share of a one-row batch from any packing collator (the trainers'
-    way).
+    """One context-parallel rank's share of a one-row batch of any packing collator (for trainers).
 
     The row's boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` (trl's padding-free
     batches) or the restarts of ``position_ids``; it is padded to a multiple of ``2 * world_size``

@@ -193,8 +193,7 @@ def pack_stream(
     ignore_index: int = IGNORE_INDEX,
     stats: PackingStats | None = None,
 ) -> Iterator[dict[str, list]]:
-    """Pack a stream of tokenized conversations into rows of at most ``max_tokens`` tokens, on the
-    fly.
+    """Pack tokenized conversations on the fly into rows of at most ``max_tokens`` tokens.
 
     Each ``buffer_size`` conversations are packed with best-fit-decreasing (bounded memory; a larger
     buffer packs tighter); over-long ones as in ``pack_dataset``, counted in ``stats`` and logged at
@@ -217,10 +216,11 @@ def pack_stream(
 
     Example:
         >>> from collators import pack_stream
-        >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
+        >>> conversations = ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10])
+        >>> stream = ({"input_ids": ids, "labels": ids} for ids in conversations)
         >>> [row["seq_lengths"] for row in pack_stream(stream, max_tokens=6)]
         [[5], [3, 2]]
-        >>> stream = ({"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10]))
+        >>> stream = ({"input_ids": ids, "labels": ids} for ids in conversations)
         >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
         [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
     """
@@ -332,9 +332,7 @@ def _window_table(window: Window, types: dict):
 
 
 def _cast(table, schema):
-    """``table`` in the first window's ``schema``; ValueError naming a column whose values changed
-    type.
-    """
+    """``table`` in the first window's ``schema``; ValueError naming a column whose type changed."""
     import pyarrow as pa
 
     for field in schema:
@@ -352,8 +350,7 @@ def _cast(table, schema):
 
 
 class PackedIterableDataset(torch.utils.data.IterableDataset):
-    """A ``torch.utils.data.IterableDataset`` of packed rows over a stream of tokenized
-    conversations.
+    """A ``torch.utils.data.IterableDataset`` of packed rows over tokenized conversations.
 
     ``pack_stream`` for a ``DataLoader``. With ``num_workers > 0`` a
     ``torch.utils.data.IterableDataset`` source splits its own examples between workers; any other
@@ -369,8 +366,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     Example:
         >>> from torch.utils.data import DataLoader
         >>> from collators import PackedCollator, PackedIterableDataset
-        >>> source = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}]
-        >>> loader = DataLoader(PackedIterableDataset(source, max_tokens=8), batch_size=1, collate_fn=PackedCollator())
+        >>> source = [{"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5])]
+        >>> dataset = PackedIterableDataset(source, max_tokens=8)
+        >>> loader = DataLoader(dataset, batch_size=1, collate_fn=PackedCollator())
         >>> batch = next(iter(loader))
         >>> batch["input_ids"], batch["cu_seqlens"]
         (tensor([[1, 2, 3, 4, 5]]), tensor([0, 3, 5], dtype=torch.int32))
