@@ -200,7 +200,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         return (loss, outputs) if return_outputs else loss
 
     def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:
-        """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``, gathered over processes."""
+        """TRL's ``entropy``, ``mean_token_accuracy``, ``num_tokens``, gathered over processes."""
         sums = torch.stack(stats)[None]  # (1, 3): entropy sum, top-1 hits, targets
         entropy, correct, targets = self.accelerator.gather_for_metrics(sums).sum(0).tolist()
         metrics = self._metrics[mode]

@@ -66,8 +66,7 @@ class PackedNormaliserMixin:
     - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
-    # the model's, under ParallelismConfig(cp_size)
-    _context_parallel: ContextParallel | None = None
+    _context_parallel: ContextParallel | None = None  # the model's, with ParallelismConfig(cp_size)
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # sequence_sums of the logging window, on device
     _evaluation: EvaluationSums | None = None  # while an evaluation loop runs
