@@ -166,9 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``packed-ce``; returns the exit status (2 for a user error, printed as one
-    line).
-    """
+    """Entry point of ``packed-ce``; returns the exit status (2: a user error, in one line)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
