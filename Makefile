@@ -25,9 +25,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/packed-ce demo --output-dir outputs/demo
 
-# CPU suite: the Triton kernels run through the Triton interpreter on CPU tensors; the doctests
+# CPU suite: first ruff's lint and format checks of the library (rules in pyproject.toml), then
+# pytest: the Triton kernels run through the Triton interpreter on CPU tensors; the doctests
 # of packed_ce and packed_ce_demo run too (tests/test_doctests.py).
 test: $(STAMP)
+	$(PY) -m ruff check packed_ce collators packed_ce_demo
+	$(PY) -m ruff format --check packed_ce collators packed_ce_demo
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
 
 # On a CUDA machine, with torch/triton/transformers already there (no venv): the compiled

@@ -1,10 +1,10 @@
 """Collators for packed multi-turn conversations with exact sequence boundaries.
 
-From conversations to batches: ``tokenize_conversation`` / ``tokenize_dataset`` (assistant-only labels),
-``pack_dataset`` / ``pack_stream`` / ``PackedIterableDataset`` (best-fit-decreasing packing),
-``PackedCollator`` / ``PaddedCollator`` (batches with ``cu_seqlens``), ``shard_batch`` (a context-parallel rank's
-share of a packed batch), and offline defaults
-(``load_default_dataset``, ``load_default_tokenizer``) plus ``load_messages_dataset`` for other data.
+From conversations to batches: ``tokenize_conversation`` / ``tokenize_dataset`` (assistant-only
+labels), ``pack_dataset`` / ``pack_stream`` / ``PackedIterableDataset`` (best-fit-decreasing
+packing), ``PackedCollator`` / ``PaddedCollator`` (batches with ``cu_seqlens``), ``shard_batch`` (a
+context-parallel rank's share of a packed batch), and offline defaults (``load_default_dataset``,
+``load_default_tokenizer``) plus ``load_messages_dataset`` for other data.
 """
 
 from .chat import tokenize_conversation, tokenize_dataset

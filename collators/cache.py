@@ -1,9 +1,9 @@
 """Cache files reused only for exactly the inputs they were written for.
 
-``datasets.Dataset.map`` reuses an existing ``cache_file_name`` without looking at any fingerprint, so a second call
-with other data or options would return the first call's rows. A key file beside the cache (``<file>.key``) records
-the inputs it was written for; a cache without a matching one is removed (with the shards ``num_proc`` wrote) before
-``map`` runs, so it is written anew.
+``datasets.Dataset.map`` reuses an existing ``cache_file_name`` without looking at any fingerprint,
+so a second call with other data or options would return the first call's rows. A key file beside
+the cache (``<file>.key``) records the inputs it was written for; a cache without a matching one is
+removed (with the shards ``num_proc`` wrote) before ``map`` runs, so it is written anew.
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ def _files(path: str) -> list[str]:
     stem, ext = os.path.splitext(name)
     found = [path] if os.path.exists(path) else []
     if os.path.isdir(folder):
-        found += [os.path.join(folder, other) for other in sorted(os.listdir(folder))
-                  if other.startswith(stem) and other.endswith(ext)
-                  and _SHARD.fullmatch(other[len(stem) : len(other) - len(ext)])]
+        found += [
+            os.path.join(folder, other)
+            for other in sorted(os.listdir(folder))
+            if other.startswith(stem)
+            and other.endswith(ext)
+            and _SHARD.fullmatch(other[len(stem) : len(other) - len(ext)])
+        ]
     return found
 
 
@@ -52,8 +56,10 @@ def reusable(path: str, key: str) -> bool:
 
 
 def record(path: str, key: str) -> None:
-    """Record that the cache at ``path`` was written for ``key`` (written then renamed: never half a key)."""
+    """Record that the cache at ``path`` is for ``key`` (written then renamed: never half a key)."""
     folder = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8") as handle:
+    with tempfile.NamedTemporaryFile(
+        "w", dir=folder, suffix=".tmp", delete=False, encoding="utf-8"
+    ) as handle:
         handle.write(key)
     os.replace(handle.name, _key_file(path))

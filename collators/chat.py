@@ -36,43 +36,50 @@ def tokenize_conversation(
     ignore_index: int = IGNORE_INDEX,
     **template_kwargs,
 ) -> dict[str, list[int]] | None:
-    """Tokenize one conversation and label the tokens of every assistant turn.
+    r"""Tokenize one conversation and label the tokens of every assistant turn.
 
-    ``input_ids`` are ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``; ``labels`` equal them
-    on every assistant turn, its closing token(s) included (``<|im_end|>``, ``<|eot_id|>``, ...) so the model learns
-    to stop, and are ``ignore_index`` elsewhere (other turns, role headers, separators).
+    ``input_ids`` are ``tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]``;
+    ``labels`` equal them on every assistant turn, its closing token(s) included (``<|im_end|>``,
+    ``<|eot_id|>``, ...) so the model learns to stop, and are ``ignore_index`` elsewhere (other
+    turns, role headers, separators).
 
-    Assistant tokens come from the template's ``{% generation %}`` mask if it has one; else what rendering up to
-    message ``i`` adds to the render up to ``i - 1`` with the generation prompt, trained up to its last special
-    token; else (templates that re-render earlier turns) the message's content located in the full render plus
-    the closing special token after it (tool calls then need generation markers).
+    Assistant tokens come from the template's ``{% generation %}`` mask if it has one; else what
+    rendering up to message ``i`` adds to the render up to ``i - 1`` with the generation prompt,
+    trained up to its last special token; else (templates that re-render earlier turns) the
+    message's content located in the full render plus the closing special token after it (tool calls
+    then need generation markers).
 
     Args:
-        tokenizer (``transformers.PreTrainedTokenizerBase``): with a chat template (a fast one without markers).
-        messages (``list[dict]``): ``[{"role": ..., "content": ...}, ...]`` (or ``tool_calls`` for an assistant).
-        max_length (``int``, *optional*): keep the first ``max_length`` tokens.
-        tools (``list[dict]``, *optional*), chat_template (``str``, *optional*), **template_kwargs: for the template.
-        skip_no_assistant (``bool``, *optional*, defaults to ``False``): return ``None`` instead of raising for a
-            conversation without an assistant turn.
-        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        tokenizer: ``transformers.PreTrainedTokenizerBase`` with a chat template (a fast one without
+            markers).
+        messages: ``[{"role": ..., "content": ...}, ...]`` (or ``tool_calls`` for an assistant).
+        max_length: keep the first ``max_length`` tokens.
+        tools, chat_template, **template_kwargs: for the template.
+        skip_no_assistant: return ``None`` instead of raising for a conversation without an
+            assistant turn.
+        ignore_index: the label of untrained tokens (default: -100).
 
     Returns:
-        ``dict`` of equal-length ``input_ids`` and ``labels``, or ``None`` for a skipped conversation.
+        ``dict`` of equal-length ``input_ids`` and ``labels``, or ``None`` for a skipped
+        conversation.
 
     Raises:
-        ``ValueError``: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
-        conversation has no assistant turn (unless skipped), or an assistant turn cannot be located.
+        ValueError: the tokenizer has no chat template, a message lacks ``role`` or ``content``, the
+            conversation has no assistant turn (unless skipped), or an assistant turn cannot be
+            located.
 
     Example:
-
-    >>> from collators import load_default_tokenizer, tokenize_conversation
-    >>> tokenizer = load_default_tokenizer()
-    >>> messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
-    >>> example = tokenize_conversation(tokenizer, messages)
-    >>> tokenizer.decode(example["input_ids"])
-    '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n'
-    >>> tokenizer.decode([t for t in example["labels"] if t != -100])
-    'Hello<|im_end|>'
+        >>> from collators import load_default_tokenizer, tokenize_conversation
+        >>> tokenizer = load_default_tokenizer()
+        >>> messages = [
+        ...     {"role": "user", "content": "Hi"},
+        ...     {"role": "assistant", "content": "Hello"},
+        ... ]
+        >>> example = tokenize_conversation(tokenizer, messages)
+        >>> tokenizer.decode(example["input_ids"])
+        '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n'
+        >>> tokenizer.decode([t for t in example["labels"] if t != -100])
+        'Hello<|im_end|>'
     """
     if max_length is not None:
         positive_int(max_length, "max_length")
@@ -91,12 +98,18 @@ def tokenize_conversation(
     render_kwargs = dict(template_kwargs, tools=tools, chat_template=chat_template)
     if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
         encoding = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **render_kwargs
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **render_kwargs,
         )
         input_ids = list(encoding[INPUT_IDS])
         labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
     else:
-        input_ids, labels = _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index)
+        input_ids, labels = _label_by_rendering(
+            tokenizer, messages, assistant_turns, render_kwargs, ignore_index
+        )
 
     if max_length is not None:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
@@ -118,40 +131,40 @@ def tokenize_dataset(
     """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
 
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
-    ``cache_file_name``), reused only if it was written for exactly these inputs: the data's fingerprint, the
-    tokenizer, its chat template, ``max_length``, the other options and the labelling's version.
+    ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
+    fingerprint, the tokenizer, its chat template, ``max_length``, the other options and the
+    labelling's version.
 
     Args:
-        dataset (``datasets.Dataset``): has a column of conversations in the ``messages`` format.
-        tokenizer (``transformers.PreTrainedTokenizerBase``): any tokenizer with a chat template.
-        max_length (``int``, *optional*): keep the first ``max_length`` tokens (unset when packing:
-            ``pack_dataset`` counts over-long conversations itself).
-        messages_column (``str``, *optional*, defaults to ``"messages"``): the column of conversations.
-        skip_no_assistant (``bool``, *optional*, defaults to ``True``): drop (and count in a warning) or, with
-            ``False``, refuse conversations without an assistant turn.
-        num_proc (``int``, *optional*): processes for ``datasets.Dataset.map``.
-        cache_file_name (``str``, *optional*): where to write the tokens (``datasets.Dataset.map``'s argument); a
-            file written for other inputs is written anew.
-        load_from_cache_file (``bool``, *optional*): reuse tokens written for the same inputs (default: unless
-            caching is disabled in ``datasets``).
-        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``, ``ignore_index``, template
-            variables).
+        dataset: a ``datasets.Dataset`` with a column of conversations in the ``messages`` format.
+        tokenizer: any ``transformers.PreTrainedTokenizerBase`` with a chat template.
+        max_length: keep the first ``max_length`` tokens (unset when packing: ``pack_dataset``
+            counts over-long conversations itself).
+        messages_column: the column of conversations.
+        skip_no_assistant: drop (and count in a warning) or, with ``False``, refuse conversations
+            without an assistant turn.
+        num_proc: processes for ``datasets.Dataset.map``.
+        cache_file_name: where to write the tokens (``datasets.Dataset.map``'s argument); a file
+            written for other inputs is written anew.
+        load_from_cache_file: reuse tokens written for the same inputs (default: unless caching is
+            disabled in ``datasets``).
+        **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``,
+            ``ignore_index``, template variables).
 
     Returns:
-        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``, other columns kept, one
-        row per kept conversation, in order.
+        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``,
+        other columns kept, one row per kept conversation, in order.
 
     Example:
-
-    >>> from datasets import Dataset
-    >>> from collators import load_default_tokenizer, tokenize_dataset
-    >>> conversations = Dataset.from_dict({"messages": [
-    ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
-    ...     [{"role": "user", "content": "Anyone there?"}],
-    ... ]})
-    >>> tokenized = tokenize_dataset(conversations, load_default_tokenizer())
-    >>> tokenized.num_rows, tokenized.column_names
-    (1, ['input_ids', 'labels'])
+        >>> from datasets import Dataset
+        >>> from collators import load_default_tokenizer, tokenize_dataset
+        >>> conversations = Dataset.from_dict({"messages": [
+        ...     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        ...     [{"role": "user", "content": "Anyone there?"}],
+        ... ]})
+        >>> tokenized = tokenize_dataset(conversations, load_default_tokenizer())
+        >>> tokenized.num_rows, tokenized.column_names
+        (1, ['input_ids', 'labels'])
     """
     import datasets
     from datasets.fingerprint import Hasher
@@ -161,18 +174,25 @@ def tokenize_dataset(
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
     if messages_column not in dataset.column_names:
-        raise ValueError(f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}.")
+        raise ValueError(
+            f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}."
+        )
     taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
     if taken:
         raise ValueError(
-            f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove or rename them."
+            f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove "
+            "or rename them."
         )
 
     def tokenize_batch(batch):
         out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         for messages in batch[messages_column]:
             example = tokenize_conversation(
-                tokenizer, messages, max_length=max_length, skip_no_assistant=skip_no_assistant, **kwargs
+                tokenizer,
+                messages,
+                max_length=max_length,
+                skip_no_assistant=skip_no_assistant,
+                **kwargs,
             )
             out["_kept"].append(example is not None)
             out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
@@ -181,21 +201,39 @@ def tokenize_dataset(
 
     # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
     template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
-    key = Hasher.hash((getattr(dataset, "_fingerprint", None), tokenizer, template, max_length, messages_column,
-                       skip_no_assistant, sorted(kwargs.items()), LABELS_VERSION))
+    key = Hasher.hash(
+        (
+            getattr(dataset, "_fingerprint", None),
+            tokenizer,
+            template,
+            max_length,
+            messages_column,
+            skip_no_assistant,
+            sorted(kwargs.items()),
+            LABELS_VERSION,
+        )
+    )
     if cache_file_name is not None and not cache.reusable(cache_file_name, key):
         load_from_cache_file = False  # removed: written for other inputs
     with progress_unit(" conversations"):
         tokenized = dataset.map(
-            tokenize_batch, batched=True, remove_columns=[messages_column], num_proc=num_proc, desc="Tokenizing",
-            new_fingerprint=key, cache_file_name=cache_file_name, load_from_cache_file=load_from_cache_file,
+            tokenize_batch,
+            batched=True,
+            remove_columns=[messages_column],
+            num_proc=num_proc,
+            desc="Tokenizing",
+            new_fingerprint=key,
+            cache_file_name=cache_file_name,
+            load_from_cache_file=load_from_cache_file,
         )
     if cache_file_name is not None:
         cache.record(cache_file_name, key)
     kept = tokenized["_kept"]
     num_skipped = len(kept) - sum(kept)
     if num_skipped:
-        logger.warning("Skipped %d of %d conversations that have no assistant turn.", num_skipped, len(kept))
+        logger.warning(
+            "Skipped %d of %d conversations that have no assistant turn.", num_skipped, len(kept)
+        )
         tokenized = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
     return tokenized.remove_columns("_kept")
 
@@ -205,20 +243,29 @@ def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
         return chat_template
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
-            "`tokenizer` has no chat template: set `tokenizer.chat_template` or pass `chat_template=`."
+            "`tokenizer` has no chat template: set `tokenizer.chat_template` or pass "
+            "`chat_template=`."
         )
     # A tokenizer may hold several named templates (e.g. "default" and "tool_use").
     return tokenizer.get_chat_template(None, tools)
 
 
 def _check_messages(messages) -> None:
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError("`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    if (
+        isinstance(messages, (str, bytes))
+        or not isinstance(messages, Sequence)
+        or len(messages) == 0
+    ):
+        raise ValueError(
+            "`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts."
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError(f"`messages[{index}]` has no 'role': {message!r}")
         if message.get("content") is None and not message.get("tool_calls"):
-            raise ValueError(f"`messages[{index}]` has no 'content' (nor 'tool_calls'): {message!r}")
+            raise ValueError(
+                f"`messages[{index}]` has no 'content' (nor 'tool_calls'): {message!r}"
+            )
 
 
 def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = False) -> str:
@@ -230,8 +277,8 @@ def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = Fa
 def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index):
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
-            "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} markers: "
-            "locating the assistant tokens needs one or the other."
+            "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} "
+            "markers: locating the assistant tokens needs one or the other."
         )
     text = _render(tokenizer, messages, render_kwargs)
     # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
@@ -256,7 +303,9 @@ def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ign
                 last = specials[-1]
         else:
             start, end = _content_chars(tokenizer, messages, turn, text, render_kwargs)
-            first, last = _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn)
+            first, last = _content_and_closing_tokens(
+                text, offsets, token_at, is_special, start, end, turn
+            )
         labels[first : last + 1] = input_ids[first : last + 1]
     return input_ids, labels
 
@@ -266,14 +315,18 @@ def _turn_span(tokenizer, messages, turn, text, render_kwargs):
     if turn == 0:
         return None
     head = _render(tokenizer, messages[:turn], render_kwargs, add_generation_prompt=True)
-    body = text if turn == len(messages) - 1 else _render(tokenizer, messages[: turn + 1], render_kwargs)
+    body = (
+        text
+        if turn == len(messages) - 1
+        else _render(tokenizer, messages[: turn + 1], render_kwargs)
+    )
     if not (body.startswith(head) and text.startswith(body)) or len(body) == len(head):
         return None
     return len(head), len(body)
 
 
 def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int, int]:
-    """Characters of message ``turn``'s content in the full render, found by rendering a stand-in instead."""
+    """Characters of message ``turn``'s content in the full render, found with a stand-in."""
     stand_in = [dict(message) for message in messages]
     stand_in[turn]["content"] = _SENTINEL
     stand_in[turn].pop("tool_calls", None)
@@ -282,14 +335,16 @@ def _content_chars(tokenizer, messages, turn, text, render_kwargs) -> tuple[int,
     suffix = _common_prefix(text[start:][::-1], other[start:][::-1])
     if other[start : len(other) - suffix] != _SENTINEL:
         raise ValueError(
-            f"Cannot locate assistant message {turn} of `messages` in the rendered conversation: the chat template "
-            "rewrites earlier turns and does not render this message's content verbatim. Add {% generation %} "
-            "markers around the assistant output in the template."
+            f"Cannot locate assistant message {turn} of `messages` in the rendered conversation: "
+            "the chat template rewrites earlier turns and does not render this message's content "
+            "verbatim. Add {% generation %} markers around the assistant output in the template."
         )
     return start, len(text) - suffix
 
 
-def _content_and_closing_tokens(text, offsets, token_at, is_special, start, end, turn) -> tuple[int, int]:
+def _content_and_closing_tokens(
+    text, offsets, token_at, is_special, start, end, turn
+) -> tuple[int, int]:
     if end > start:
         first, last = _tokens_in(token_at, start, end)
         probe = last + 1
@@ -309,7 +364,7 @@ def _content_and_closing_tokens(text, offsets, token_at, is_special, start, end,
 
 
 def _tokens_in(token_at, start: int, end: int) -> tuple[int, int]:
-    """First and last token overlapping characters [start, end) (zero-width tokens between them included)."""
+    """First and last token overlapping characters [start, end), zero-width ones between too."""
     covered = [t for t in token_at[start:end] if t >= 0]
     return covered[0], covered[-1]
 

@@ -1,7 +1,8 @@
 """The batch contract: every key a row, a batch or a data set column carries, in one place.
 
-A misspelt key is then a NameError, not a column silently missing. ``SEQUENCE_COLUMNS`` describes each value a
-conversation carries into packed rows and batches once; packers, collators, shards and trainers iterate it.
+A misspelt key is then a NameError, not a column silently missing. ``SEQUENCE_COLUMNS`` describes
+each value a conversation carries into packed rows and batches once; packers, collators, shards and
+trainers iterate it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ SHIFT_LABELS = "shift_labels"  # already shifted: the target of each token (coll
 POSITION_IDS = "position_ids"  # restart at 0 for each sequence
 ATTENTION_MASK = "attention_mask"  # PaddedCollator's (B, T) only: a packed row has none
 
-# A packed row's columns, one value per sequence of the row (SEQUENCE_COLUMNS describes all but the lengths).
+# A packed row's columns, one value per sequence of the row (SEQUENCE_COLUMNS describes all but the
+# lengths).
 SEQ_LENGTHS = "seq_lengths"
 SEQ_TARGETS = "seq_targets"  # the whole conversation's target count (a split one's pieces share it)
 SEQ_WEIGHTS = "seq_weights"
@@ -45,7 +47,8 @@ CU_SEQ_LENS_Q = "cu_seq_lens_q"
 CU_SEQ_LENS_K = "cu_seq_lens_k"
 MAX_LENGTH_Q = "max_length_q"
 MAX_LENGTH_K = "max_length_k"
-# What a context-parallel shard is (collators.shard_batch): a ShardRecord the model's forward checks.
+# What a context-parallel shard is (collators.shard_batch): a ShardRecord the model's forward
+# checks.
 SHARD = "context_parallel_shard"
 
 # The trainers' evaluation batches: each example's token count, (B,) int64, to find the copies
@@ -53,11 +56,11 @@ SHARD = "context_parallel_shard"
 EXAMPLE_TOKENS = "example_tokens"
 
 
-
 def _check_source(value, name: str):
     if value is not None and not isinstance(value, str):
         raise TypeError(
-            f"`{name}` must be None or a string (sources are strings), got {type(value).__name__} {value!r}."
+            f"`{name}` must be None or a string (sources are strings), got {type(value).__name__} "
+            f"{value!r}."
         )
     return value
 
@@ -65,8 +68,9 @@ def _check_source(value, name: str):
 def _check_scalar(value, name: str):
     if isinstance(value, (list, tuple, dict, np.ndarray, torch.Tensor)):
         raise ValueError(
-            f"`{name}` holds a {type(value).__name__}, not one value per conversation, so packed rows cannot carry "
-            "it (they hold one value per sequence): remove the column or reduce it to one value per conversation."
+            f"`{name}` holds a {type(value).__name__}, not one value per conversation, so packed "
+            "rows cannot carry it (they hold one value per sequence): remove the column or reduce "
+            "it to one value per conversation."
         )
     return value
 
@@ -83,21 +87,23 @@ def _check_count(value, name: str) -> int:
 class SequenceColumn:
     """A value each conversation carries into packed rows and batches, one value per sequence there.
 
-    Packing gives each piece the value of its conversation (the pieces of a split conversation share it), in the
-    row column ``key``; collators concatenate the examples' values, ``padding`` for a padding segment;
-    ``collators.shard_batch`` gives each local segment the value of the sequence it belongs to.
+    Packing gives each piece the value of its conversation (the pieces of a split conversation share
+    it), in the row column ``key``; collators concatenate the examples' values, ``padding`` for a
+    padding segment; ``collators.shard_batch`` gives each local segment the value of the sequence it
+    belongs to.
 
     Attributes:
-        column (``str`` or None): the data set column, one value per conversation; None: packing computes it.
-        key (``str``): the packed row's and the batch's key.
-        dtype (``str`` or None): the batch tensor's dtype (a numpy name: ``"float64"``); None: a Python list.
+        column: the data set column, one value per conversation; None: packing computes it.
+        key: the packed row's and the batch's key.
+        dtype: the batch tensor's dtype (a numpy name: ``"float64"``); None: a Python list.
         padding: the value of a padding segment.
-        absent (``str``): a batch in which some examples lack it: ``"count"`` (each sequence's own target count),
-            ``"refuse"`` (a ValueError naming the example) or ``"pad"`` (``padding`` for theirs).
-        what (``str``): one value, in errors (``"weight"``).
-        check (callable): ``check(value, name)``, one value checked (an error naming ``name``) and returned.
-        check_values (callable, *optional*): ``check_values(values, name)``, the same for many at once (vectorised:
-            a data set column's), returning an array; default: ``check`` on each.
+        absent: a batch in which some examples lack it: ``"count"`` (each sequence's own target
+            count), ``"refuse"`` (a ValueError naming the example) or ``"pad"`` (``padding`` for
+            theirs).
+        what: one value, in errors (``"weight"``).
+        check: ``check(value, name)``, one value checked (an error naming ``name``) and returned.
+        check_values: ``check_values(values, name)``, the same for many at once (vectorised: a data
+            set column's), returning an array; default: ``check`` on each.
     """
 
     column: str | None
@@ -110,37 +116,50 @@ class SequenceColumn:
     check_values: Callable[[Any, str], np.ndarray] | None = None
 
     def values(self, values, name: str):
-        """Per-sequence ``values`` (a sequence, array or tensor) checked: a ``dtype`` array, or a list."""
+        """Per-sequence ``values`` (list, array or tensor), checked: a ``dtype`` array or a list."""
         if torch.is_tensor(values):
             values = values.detach().cpu().numpy()
-        array = np.asarray(values, dtype=object) if isinstance(values, (list, tuple, np.ndarray)) else None
+        array = (
+            np.asarray(values, dtype=object)
+            if isinstance(values, (list, tuple, np.ndarray))
+            else None
+        )
         if array is None or array.ndim != 1:
-            raise TypeError(f"`{name}` must be a list of one {self.what} per sequence, got {type(values).__name__}.")
+            raise TypeError(
+                f"`{name}` must be a list of one {self.what} per sequence, got "
+                f"{type(values).__name__}."
+            )
         if self.check_values is not None:
             return self.check_values(values, name).astype(self.dtype)
         values = [self.check(value, name) for value in array.tolist()]
         return values if self.dtype is None else np.array(values, dtype=self.dtype)
 
     def of_example(self, example, index: int, count: int):
-        """The ``count`` sequences' values of one example (``examples[index]``), checked: ``key`` (per sequence) or
-        one conversation's ``column``; None where the example carries neither."""
+        """The ``count`` sequences' values of one example (``examples[index]``), checked: ``key``
+        (per sequence) or one conversation's ``column``; None where the example carries neither.
+        """
         name = f"examples[{index}]"
         values = example.get(self.key)
         if values is not None:
             values = self.values(values, f"{name}[{self.key!r}]")
             if len(values) != count:
-                raise ValueError(f"`{name}[{self.key!r}]` must hold one {self.what} per sequence of `seq_lengths`.")
+                raise ValueError(
+                    f"`{name}[{self.key!r}]` must hold one {self.what} per sequence of "
+                    "`seq_lengths`."
+                )
             return values
         value = example.get(self.column) if self.column else None
         if value is None:
             return None
         if count != 1:
-            raise ValueError(f"`{name}` is a packed row: give its {self.what}s per sequence in {self.key!r}.")
+            raise ValueError(
+                f"`{name}` is a packed row: give its {self.what}s per sequence in {self.key!r}."
+            )
         values = [self.check(value, f"{name}[{self.column!r}]")]
         return values if self.dtype is None else np.array(values, dtype=self.dtype)
 
     def padded(self, values, count: int = 1):
-        """``values`` (tensor, array or list) with ``count`` padding values appended, in the same kind."""
+        """``values`` (tensor, array or list) with ``count`` padding values appended, same kind."""
         if torch.is_tensor(values):
             return torch.cat((values, values.new_full((count,), self.padding)))
         if isinstance(values, np.ndarray):
@@ -149,18 +168,29 @@ class SequenceColumn:
 
 
 TARGETS = SequenceColumn(None, SEQ_TARGETS, "int32", 1, "count", "target count", _check_count)
-WEIGHTS = SequenceColumn(WEIGHT_COLUMN, SEQ_WEIGHTS, "float64", 0.0, "refuse", "weight", conversation_weight,
-                         weight_array)
+WEIGHTS = SequenceColumn(
+    WEIGHT_COLUMN,
+    SEQ_WEIGHTS,
+    "float64",
+    0.0,
+    "refuse",
+    "weight",
+    conversation_weight,
+    weight_array,
+)
 SOURCES = SequenceColumn(SOURCE_COLUMN, SEQ_SOURCES, None, None, "pad", "source", _check_source)
-# Every per-sequence column of rows and batches, in the order rows carry them (the lengths first, before them).
+# Every per-sequence column of rows and batches, in the order rows carry them (the lengths first,
+# before them).
 # seq_targets: a target count >= 1 in a batch (1 for a sequence without targets: a finite divisor);
-# seq_weights: float64, which keeps weights outside float32's range (1e-46, 1e39); seq_sources: for per-source logs.
+# seq_weights: float64, which keeps weights outside float32's range (1e-46, 1e39); seq_sources: for
+# per-source logs.
 SEQUENCE_COLUMNS = (TARGETS, WEIGHTS, SOURCES)
 
 
 def carried_column(name: str) -> SequenceColumn:
-    """How packing carries data set column ``name``: its ``SEQUENCE_COLUMNS`` entry, or ``seq_<name>`` as it is
-    (one value per sequence, any scalar, in no batch)."""
+    """How packing carries data set column ``name``: its ``SEQUENCE_COLUMNS`` entry, or
+    ``seq_<name>`` as it is (one value per sequence, any scalar, in no batch).
+    """
     for column in SEQUENCE_COLUMNS:
         if column.column == name:
             return column
@@ -169,20 +199,23 @@ def carried_column(name: str) -> SequenceColumn:
 
 # The columns packing writes (a carried data set column may take none of these names).
 PACKED_ROW_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS, *(column.key for column in SEQUENCE_COLUMNS))
-# The data set columns the trainers keep for the collator: a packed row's boundaries, each conversation's (or
-# piece's) values, and the data set columns they come from.
+# The data set columns the trainers keep for the collator: a packed row's boundaries, each
+# conversation's (or piece's) values, and the data set columns they come from.
 ROW_COLUMNS = (
     SEQ_LENGTHS,
     *(column.key for column in SEQUENCE_COLUMNS),
     *(column.column for column in SEQUENCE_COLUMNS if column.column),
 )
 # Float keys of a batch that are data, not activations: moved to the device in their own dtype.
-FLOAT_SEQUENCE_KEYS = tuple(c.key for c in SEQUENCE_COLUMNS if c.dtype and np.dtype(c.dtype).kind == "f")
+FLOAT_SEQUENCE_KEYS = tuple(
+    c.key for c in SEQUENCE_COLUMNS if c.dtype and np.dtype(c.dtype).kind == "f"
+)
 
 
 def datasets_of(argument) -> list:
     """The data sets of a trainer's ``train_dataset`` / ``eval_dataset`` argument (a dict of
-    them too; none for None)."""
+    them too; none for None).
+    """
     if argument is None:
         return []
     return list(argument.values()) if isinstance(argument, dict) else [argument]
@@ -190,7 +223,8 @@ def datasets_of(argument) -> list:
 
 def source_names(*arguments) -> tuple[str, ...]:
     """The sorted source names in the :data:`SOURCE_COLUMN` / :data:`SEQ_SOURCES` columns of
-    trainers' data set arguments (``datasets.Dataset`` objects; none for other data)."""
+    trainers' data set arguments (``datasets.Dataset`` objects; none for other data).
+    """
     names = set()
     for data in (data for argument in arguments for data in datasets_of(argument)):
         columns = getattr(data, "column_names", None) or []

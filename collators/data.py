@@ -1,4 +1,4 @@
-"""Data that works offline: the English dialogues of ``chatterbot-corpus`` and a small BPE tokenizer trained on them."""
+"""Offline data: the English ``chatterbot-corpus`` dialogues and a BPE tokenizer trained on them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ _TOKENIZER_RECIPE = "bytelevel-bpe-v1"
 
 
 def require_demo_extra(caller: str) -> None:
-    """ImportError naming the ``demo`` extra (else: ``PackageNotFoundError: chatterbot-corpus`` or no ``yaml``)."""
+    """ImportError naming the ``demo`` extra, not ``PackageNotFoundError`` or a missing ``yaml``."""
     try:
         import chatterbot_corpus  # noqa: F401
         import yaml  # noqa: F401
@@ -33,26 +33,25 @@ def require_demo_extra(caller: str) -> None:
 def load_default_dataset(*, system_prompt: bool = True):
     """The English conversations of the ``chatterbot-corpus`` package as a ``datasets.Dataset``.
 
-    Utterances become alternating ``user`` / ``assistant`` turns (an unanswered last one left out), after a system turn
-    naming the category with ``system_prompt=True``.
+    Utterances become alternating ``user`` / ``assistant`` turns (an unanswered last one left out),
+    after a system turn naming the category with ``system_prompt=True``.
 
     Args:
-        system_prompt (``bool``, *optional*, defaults to ``True``): add the system turn.
+        system_prompt: add the system turn.
 
     Returns:
         ``datasets.Dataset`` of ``messages`` and ``category`` (str), in a fixed order.
 
     Raises:
-        ``ImportError`` naming the ``demo`` extra when it is not installed.
+        ImportError naming the ``demo`` extra when it is not installed.
 
     Example:
-
-    >>> from collators import load_default_dataset
-    >>> dataset = load_default_dataset()
-    >>> dataset.num_rows
-    2026
-    >>> [m["role"] for m in dataset[0]["messages"]]
-    ['system', 'user', 'assistant']
+        >>> from collators import load_default_dataset
+        >>> dataset = load_default_dataset()
+        >>> dataset.num_rows
+        2026
+        >>> [m["role"] for m in dataset[0]["messages"]]
+        ['system', 'user', 'assistant']
     """
     import datasets
 
@@ -66,35 +65,40 @@ def load_default_dataset(*, system_prompt: bool = True):
         if not turns:
             continue
         if system_prompt:
-            turns.insert(0, {"role": "system", "content": f"You are a friendly assistant. Topic: {category}."})
+            turns.insert(
+                0,
+                {"role": "system", "content": f"You are a friendly assistant. Topic: {category}."},
+            )
         rows["messages"].append(turns)
         rows["category"].append(category)
     return datasets.Dataset.from_dict(rows)
 
 
-def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None):
-    """A byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues, with a ChatML chat template.
+def load_default_tokenizer(
+    *, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | os.PathLike | None = None
+):
+    """A ChatML-templated byte-level BPE tokenizer trained on the ``chatterbot-corpus`` dialogues.
 
-    Deterministic, about a second, cached in ``cache_dir``, ``$PACKED_CE_CACHE`` or ``~/.cache/packed_ce``. Special
-    tokens ``<|endoftext|>`` (padding), ``<|im_start|>``, ``<|im_end|>`` (``eos_token``); the template
-    (``collators.templates.CHATML_TEMPLATE``) has ``{% generation %}`` markers.
+    Deterministic, about a second, cached in ``cache_dir``, ``$PACKED_CE_CACHE`` or
+    ``~/.cache/packed_ce``. Special tokens ``<|endoftext|>`` (padding), ``<|im_start|>``,
+    ``<|im_end|>`` (``eos_token``); the template (``collators.templates.CHATML_TEMPLATE``) has
+    ``{% generation %}`` markers.
 
     Args:
-        vocab_size (``int``, *optional*, defaults to 3072): size of the vocabulary, special tokens included.
-        cache_dir (``str`` or ``os.PathLike``, *optional*): where to keep the trained tokenizer.
+        vocab_size: size of the vocabulary, special tokens included (default: 3072).
+        cache_dir: where to keep the trained tokenizer.
 
     Returns:
         ``transformers.PreTrainedTokenizerFast``.
 
     Raises:
-        ``ImportError`` naming the ``demo`` extra when it is not installed.
+        ImportError naming the ``demo`` extra when it is not installed.
 
     Example:
-
-    >>> from collators import load_default_tokenizer
-    >>> tokenizer = load_default_tokenizer()
-    >>> len(tokenizer), tokenizer.pad_token, tokenizer.eos_token
-    (3072, '<|endoftext|>', '<|im_end|>')
+        >>> from collators import load_default_tokenizer
+        >>> tokenizer = load_default_tokenizer()
+        >>> len(tokenizer), tokenizer.pad_token, tokenizer.eos_token
+        (3072, '<|endoftext|>', '<|im_end|>')
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -103,8 +107,12 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
     positive_int(vocab_size, "vocab_size", minimum=256 + len(_SPECIAL_TOKENS))
     require_demo_extra("load_default_tokenizer")
     corpus_version = metadata.version("chatterbot-corpus")
-    key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[:16]
-    root = Path(cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce")
+    key = hashlib.sha256(f"{_TOKENIZER_RECIPE}|{corpus_version}|{vocab_size}".encode()).hexdigest()[
+        :16
+    ]
+    root = Path(
+        cache_dir or os.environ.get("PACKED_CE_CACHE") or Path.home() / ".cache" / "packed_ce"
+    )
     path = root / f"chatterbot-bpe-{vocab_size}-{key}.json"
     if path.exists():
         backend = Tokenizer.from_file(str(path))
@@ -124,33 +132,41 @@ def load_default_tokenizer(*, vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: s
 
 
 def load_messages_dataset(
-    name_or_path: str | os.PathLike, *, split: str = "train", messages_column: str = "messages", **kwargs
+    name_or_path: str | os.PathLike,
+    *,
+    split: str = "train",
+    messages_column: str = "messages",
+    **kwargs,
 ):
-    """A data set in the ``messages`` format, from a local file or folder (``read_dataset``) or a hub name.
+    r"""A ``messages`` data set from a local file or folder (``read_dataset``) or a hub name.
 
     Args:
-        name_or_path (``str`` or ``os.PathLike``): a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file, a folder
-            of them or written by ``save_to_disk``, or a hub name (a local-looking path is never sent to the hub).
-        split (``str``, *optional*, defaults to ``"train"``): the split to load.
-        messages_column (``str``, *optional*, defaults to ``"messages"``): renamed to ``messages``.
+        name_or_path: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file, a folder of them or
+            written by ``save_to_disk``, or a hub name (a local-looking path is never sent to the
+            hub).
+        split: the split to load.
+        messages_column: renamed to ``messages``.
         **kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
         ``datasets.Dataset`` with a ``messages`` column.
 
     Raises:
-        ``FileNotFoundError``: a local path that does not exist.
-        ``ValueError``: empty, a malformed JSON line (named), a file of another format, no ``messages_column``.
+        FileNotFoundError: a local path that does not exist.
+        ValueError: empty, a malformed JSON line (named), a file of another format, no
+            ``messages_column``.
 
     Example:
-
-    >>> import json, tempfile
-    >>> from collators import load_messages_dataset
-    >>> record = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
-    >>> with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-    ...     _ = f.write(json.dumps(record) + "\\n")
-    >>> load_messages_dataset(f.name)[0]["messages"][1]
-    {'role': 'assistant', 'content': 'Hello'}
+        >>> import json, tempfile
+        >>> from collators import load_messages_dataset
+        >>> record = {"messages": [
+        ...     {"role": "user", "content": "Hi"},
+        ...     {"role": "assistant", "content": "Hello"},
+        ... ]}
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        ...     _ = f.write(json.dumps(record) + "\n")
+        >>> load_messages_dataset(f.name)[0]["messages"][1]
+        {'role': 'assistant', 'content': 'Hello'}
     """
     dataset = read_dataset(name_or_path, split=split, **kwargs)
     if messages_column not in dataset.column_names:
@@ -169,22 +185,22 @@ _FORMATS = ".json, .jsonl, .parquet or .arrow"
 
 
 def read_dataset(name_or_path: str | os.PathLike, *, split: str = "train", **kwargs):
-    """A ``datasets.Dataset`` of at least one row from a local file or folder, or a hub name, whatever it holds.
+    """A ``datasets.Dataset`` (any columns, at least one row) from a local file, folder or hub name.
 
-    Local: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file (Arrow: the stream format of ``datasets``' own
-    files, memory-mapped, or the IPC file format), a folder written by ``save_to_disk`` (a ``DatasetDict``: its
-    ``split``), or a folder of data files of one format (``datasets.load_dataset``, which takes splits from the file
-    names).
+    Local: a ``.json`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file (Arrow: the stream format of
+    ``datasets``' own files, memory-mapped, or the IPC file format), a folder written by
+    ``save_to_disk`` (a ``DatasetDict``: its ``split``), or a folder of data files of one format
+    (``datasets.load_dataset``, which takes splits from the file names).
 
     Args:
-        name_or_path (``str`` or ``os.PathLike``): the file, folder or hub name.
-        split (``str``, *optional*, defaults to ``"train"``): the split to load.
+        name_or_path: the file, folder or hub name.
+        split: the split to load.
         **kwargs: passed to ``datasets.load_dataset``.
 
     Raises:
-        ``FileNotFoundError``: a local path that does not exist.
-        ``ValueError`` naming ``name_or_path``: empty, a malformed file (a JSON line named), a file of another format,
-            a folder of no data file or of several formats, a missing split.
+        FileNotFoundError: a local path that does not exist.
+        ValueError naming ``name_or_path``: empty, a malformed file (a JSON line named), a file of
+            another format, a folder of no data file or of several formats, a missing split.
     """
     import datasets
 
@@ -196,7 +212,10 @@ def read_dataset(name_or_path: str | os.PathLike, *, split: str = "train", **kwa
     else:
         dataset = _read_file(path, split, **kwargs)
     if dataset.num_rows == 0:
-        raise ValueError(f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is empty).")
+        raise ValueError(
+            f"`name_or_path` {str(name_or_path)!r} holds no conversation (split {split!r} is "
+            "empty)."
+        )
     return dataset
 
 
@@ -207,11 +226,13 @@ def _read_file(path: Path, split: str, **kwargs):
     builder = DATA_FILES.get(path.suffix)
     if builder is None:
         raise ValueError(
-            f"`name_or_path` {str(path)!r} is not a {_FORMATS} file (nor a folder of them, or a data set saved with "
-            "save_to_disk)."
+            f"`name_or_path` {str(path)!r} is not a {_FORMATS} file (nor a folder of them, or a "
+            "data set saved with save_to_disk)."
         )
     size = path.stat().st_size
-    if size == 0 or (builder == "json" and size < 4096 and not path.read_text(encoding="utf-8").strip()):
+    if size == 0 or (
+        builder == "json" and size < 4096 and not path.read_text(encoding="utf-8").strip()
+    ):
         raise ValueError(f"`name_or_path` {str(path)!r} is empty: it holds no conversation.")
     try:
         if builder == "arrow":
@@ -224,7 +245,9 @@ def _read_file(path: Path, split: str, **kwargs):
         if builder == "json":
             _raise_json_error(path, error)
         cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as {builder.title()}: {cause}") from error
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} could not be loaded as {builder.title()}: {cause}"
+        ) from error
 
 
 def _read_folder(path: Path, split: str, **kwargs):
@@ -234,18 +257,29 @@ def _read_folder(path: Path, split: str, **kwargs):
         saved = datasets.load_from_disk(str(path))
         if isinstance(saved, datasets.DatasetDict):
             if split not in saved:
-                raise ValueError(f"`name_or_path` {str(path)!r} has no split {split!r}; its splits are {list(saved)}.")
+                raise ValueError(
+                    f"`name_or_path` {str(path)!r} has no split {split!r}; its splits are "
+                    f"{list(saved)}."
+                )
             saved = saved[split]
         return saved
-    files = [f for f in sorted(path.rglob("*")) if f.is_file() and f.suffix in DATA_FILES
-             and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+    files = [
+        f
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
+        and f.suffix in DATA_FILES
+        and not any(part.startswith(".") for part in f.relative_to(path).parts)
+    ]
     formats = sorted({DATA_FILES[f.suffix] for f in files})
     if not files:
         raise ValueError(
-            f"`name_or_path` {str(path)!r} holds no {_FORMATS} file, nor a data set saved with save_to_disk."
+            f"`name_or_path` {str(path)!r} holds no {_FORMATS} file, nor a data set saved with "
+            "save_to_disk."
         )
     if len(formats) > 1:
-        raise ValueError(f"`name_or_path` {str(path)!r} mixes {' and '.join(formats)} files: keep one format.")
+        raise ValueError(
+            f"`name_or_path` {str(path)!r} mixes {' and '.join(formats)} files: keep one format."
+        )
     try:
         return datasets.load_dataset(str(path), split=split, **kwargs)
     except Exception as error:
@@ -254,7 +288,19 @@ def _read_folder(path: Path, split: str, **kwargs):
 
 
 # Data and model files that a hub name never ends with.
-_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".tsv", ".parquet", ".arrow", ".txt", ".yaml", ".yml", ".gz", ".zip")
+_FILE_SUFFIXES = (
+    ".json",
+    ".jsonl",
+    ".csv",
+    ".tsv",
+    ".parquet",
+    ".arrow",
+    ".txt",
+    ".yaml",
+    ".yml",
+    ".gz",
+    ".zip",
+)
 # A hub repository id: ``name`` or ``owner/name``.
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
 
@@ -262,23 +308,29 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?"
 def local_path(name_or_path: str | os.PathLike, argument: str) -> Path | None:
     """``name_or_path`` as a local ``Path`` if it names one, None if it is a hub name.
 
-    Local: anything that exists, or that a hub id (``name`` or ``owner/name``) cannot be (absolute, ``~`` or
-    ``.``-relative, more than two parts, a backslash, a data or model file suffix).
+    Local: anything that exists, or that a hub id (``name`` or ``owner/name``) cannot be (absolute,
+    ``~`` or ``.``-relative, more than two parts, a backslash, a data or model file suffix).
 
     Raises:
-        ``FileNotFoundError`` naming ``argument``: it looks local but does not exist.
+        FileNotFoundError naming ``argument``: it looks local but does not exist.
     """
     text = os.fspath(name_or_path)
     path = Path(text).expanduser()
     if path.exists():
         return path
-    if isinstance(name_or_path, os.PathLike) or not _HUB_ID.fullmatch(text) or text.lower().endswith(_FILE_SUFFIXES):
-        raise FileNotFoundError(f"`{argument}` {text!r}: no such file or folder (looked locally, not on a hub).")
+    if (
+        isinstance(name_or_path, os.PathLike)
+        or not _HUB_ID.fullmatch(text)
+        or text.lower().endswith(_FILE_SUFFIXES)
+    ):
+        raise FileNotFoundError(
+            f"`{argument}` {text!r}: no such file or folder (looked locally, not on a hub)."
+        )
     return None
 
 
 def _raise_json_error(path: Path, error: Exception):
-    """Re-raise a failed JSON load as a ``ValueError`` naming the first malformed line, if one is."""
+    """Re-raise a failed JSON load as a ``ValueError`` naming the first malformed line, if any."""
     import json
 
     text = path.read_text(encoding="utf-8")
@@ -291,11 +343,13 @@ def _raise_json_error(path: Path, error: Exception):
                     json.loads(line)
                 except json.JSONDecodeError as line_error:
                     raise ValueError(
-                        f"`name_or_path` {str(path)!r} line {number}: malformed JSON ({line_error.msg} at column "
-                        f"{line_error.colno})."
+                        f"`name_or_path` {str(path)!r} line {number}: malformed JSON "
+                        f"({line_error.msg} at column {line_error.colno})."
                     ) from None
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    raise ValueError(f"`name_or_path` {str(path)!r} could not be loaded as JSON: {cause}") from error
+    raise ValueError(
+        f"`name_or_path` {str(path)!r} could not be loaded as JSON: {cause}"
+    ) from error
 
 
 def _corpus_conversations():
@@ -318,7 +372,8 @@ def _train_tokenizer(vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    # Untrimmed offsets: whitespace tokens keep their characters, which the offset-based labelling relies on.
+    # Untrimmed offsets: whitespace tokens keep their characters, which the offset-based labelling
+    # relies on.
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

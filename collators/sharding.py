@@ -1,12 +1,13 @@
 """Context parallelism: one rank's share of a packed batch, with the weights its targets need.
 
-The row is cut into ``W * m`` chunks of ``C`` tokens (``m`` per rank: 2, or more for long rows, chunks of about
-``CHUNK_TOKENS``) and each rank gets ``m`` of them, chosen so that the ranks' attention work is balanced: a token
-attends to every earlier token of its own conversation, so a chunk's work is the sum of its tokens' positions + 1,
-and the chunks are dealt out largest first, each to the rank with the least work so far (for one conversation over
-the whole row and ``m = 2`` this is the "zig-zag" of chunks ``r`` and ``2 W - 1 - r``). ``seq_targets`` carries each
-conversation's target count, so the ranks' weighted sums add up to the whole batch's loss; labels are shifted
-before the cut, so no chunk loses its last target.
+The row is cut into ``W * m`` chunks of ``C`` tokens (``m`` per rank: 2, or more for long rows,
+chunks of about ``CHUNK_TOKENS``) and each rank gets ``m`` of them, chosen so that the ranks'
+attention work is balanced: a token attends to every earlier token of its own conversation, so a
+chunk's work is the sum of its tokens' positions + 1, and the chunks are dealt out largest first,
+each to the rank with the least work so far (for one conversation over the whole row and ``m = 2``
+this is the "zig-zag" of chunks ``r`` and ``2 W - 1 - r``). ``seq_targets`` carries each
+conversation's target count, so the ranks' weighted sums add up to the whole batch's loss; labels
+are shifted before the cut, so no chunk loses its last target.
 """
 
 from __future__ import annotations
@@ -21,13 +22,21 @@ import torch.nn.functional as F
 
 from .checks import positive_int, targets_per_sequence
 from .columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_Q, CU_SEQLENS, IGNORE_INDEX, INPUT_IDS, LABELS, POSITION_IDS, SEQUENCE_COLUMNS, SHARD,
+    ATTENTION_MASK,
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+    SEQUENCE_COLUMNS,
+    SHARD,
     SHIFT_LABELS,
 )
 
-
-# Long rows are cut into chunks of at least this many tokens (a multiple of flex attention's 128-token blocks):
-# finer chunks balance the ranks' attention work over conversations of mixed lengths.
+# Long rows are cut into chunks of at least this many tokens (a multiple of flex attention's
+# 128-token blocks): finer chunks balance the ranks' attention work over conversations of mixed
+# lengths.
 CHUNK_TOKENS = 1024
 
 
@@ -36,11 +45,11 @@ class ShardRecord:
     """What a shard is, so that a context-parallel forward can refuse one it cannot use exactly.
 
     Attributes:
-        rank, world_size (``int``): the rank it was cut for, of how many.
-        row_length (``int``): ``T``, the whole row's tokens.
-        row_checksum (``int``): a hash of the whole row's tokens and boundaries: the ranks of a group must shard
-            the same row (a data-parallel loader giving each rank its own batch would not).
-        chunks (``tuple``): ``W`` tuples of ``m`` ascending chunk indices, the chunks each rank holds.
+        rank, world_size: the rank it was cut for, of how many.
+        row_length: ``T``, the whole row's tokens.
+        row_checksum: a hash of the whole row's tokens and boundaries: the ranks of a group must
+            shard the same row (a data-parallel loader giving each rank its own batch would not).
+        chunks: ``W`` tuples of ``m`` ascending chunk indices, the chunks each rank holds.
     """
 
     rank: int
@@ -51,7 +60,7 @@ class ShardRecord:
 
 
 def _chunks_per_rank(per_rank: int) -> int:
-    """``m``: the most chunks of at least ``CHUNK_TOKENS`` tokens that divide a rank's even share, at least 2."""
+    """``m``: the most chunks of >= ``CHUNK_TOKENS`` tokens dividing a rank's even share, >= 2."""
     for count in range(per_rank // CHUNK_TOKENS, 2, -1):
         if per_rank % count == 0:
             return count
@@ -59,23 +68,22 @@ def _chunks_per_rank(per_rank: int) -> int:
 
 
 def balanced_chunks(lengths: np.ndarray, num_tokens: int, world_size: int) -> np.ndarray:
-    """Which chunks each rank holds: the ranks' causal attention work balanced (the module docstring).
+    """Which chunks each rank holds: the ranks' causal attention work balanced (module docstring).
 
     Args:
-        lengths (``np.ndarray``): ``(S,)`` int64 sequence lengths, summing to ``num_tokens``, a multiple of
+        lengths: ``(S,)`` int64 sequence lengths, summing to ``num_tokens``, a multiple of
             ``2 * world_size``.
 
     Returns:
-        ``np.ndarray``: ``(world_size, m)`` int64, each row the ascending chunk indices of one rank.
+        ``(world_size, m)`` int64, each row the ascending chunk indices of one rank.
 
     Example:
-
-    >>> balanced_chunks(np.array([8]), 8, 2)  # one conversation: the zig-zag
-    array([[0, 3],
-           [1, 2]])
-    >>> balanced_chunks(np.array([4, 4]), 8, 2)  # two alike: one each
-    array([[0, 1],
-           [2, 3]])
+        >>> balanced_chunks(np.array([8]), 8, 2)  # one conversation: the zig-zag
+        array([[0, 3],
+               [1, 2]])
+        >>> balanced_chunks(np.array([4, 4]), 8, 2)  # two alike: one each
+        array([[0, 1],
+               [2, 3]])
     """
     per_rank = num_tokens // world_size
     count = _chunks_per_rank(per_rank)
@@ -97,10 +105,10 @@ def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
     ``position_ids[t] != position_ids[t - 1] + 1``.
 
     Args:
-        position_ids (``torch.Tensor``): ``(B, T)`` or ``(T,)`` integer.
+        position_ids: ``(B, T)`` or ``(T,)`` integer.
 
     Returns:
-        ``torch.Tensor``: ``(B * T,)`` bool, True at each sequence's first token.
+        ``(B * T,)`` bool, True at each sequence's first token.
     """
     positions = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
     starts = torch.ones_like(positions, dtype=torch.bool)
@@ -116,107 +124,147 @@ def _row_checksum(input_ids: torch.Tensor, bounds: np.ndarray) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1
 
 
-def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
+def shard_batch(
+    batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX
+) -> dict:
     """The tokens of a packed batch that context-parallel rank ``rank`` of ``world_size`` holds.
 
     ``L = T / world_size`` tokens in ``m`` chunks, balanced (module docstring; collate with
-    ``PackedCollator(pad_to_multiple_of=2 * world_size)``).
-    With ``shift=False``, ``cu_seqlens`` and ``seq_targets``, the ``"sum"`` losses of the ranks add up to the whole
-    batch's; divide by its weight mass for the mean. Attention needs the whole row, from the global
-    ``position_ids`` returned here.
+    ``PackedCollator(pad_to_multiple_of=2 * world_size)``). With ``shift=False``, ``cu_seqlens`` and
+    ``seq_targets``, the ``"sum"`` losses of the ranks add up to the whole batch's; divide by its
+    weight mass for the mean. Attention needs the whole row, from the global ``position_ids``
+    returned here.
 
     Args:
-        batch (``dict``): of ``PackedCollator``: ``input_ids``, ``labels`` ``(1, T)``, ``cu_seqlens`` ``(S + 1,)``, optionally
-            ``position_ids``, ``seq_targets``, ``seq_weights``.
-        rank (``int``): this rank, in ``[0, world_size)``.
-        world_size (``int``): ranks sharing the row.
-        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        batch: a ``PackedCollator`` batch: ``input_ids``, ``labels`` ``(1, T)``, ``cu_seqlens``
+            ``(S + 1,)``, optionally ``position_ids``, ``seq_targets``, ``seq_weights``.
+        rank: this rank, in ``[0, world_size)``.
+        world_size: ranks sharing the row.
+        ignore_index: the label of untrained tokens (default: -100).
 
     Returns:
         ``dict`` on the batch's device:
 
-        - ``input_ids`` ``(1, L)``, ``position_ids`` ``(1, L)`` int64: the local tokens and their global positions.
-        - ``labels`` ``(1, L)``: the local labels (a model computes a loss only with them, from ``shift_labels``).
+        - ``input_ids`` ``(1, L)``, ``position_ids`` ``(1, L)`` int64: the local tokens and their
+          global positions.
+        - ``labels`` ``(1, L)``: the local labels (a model computes a loss only with them, from
+          ``shift_labels``).
         - ``shift_labels`` ``(1, L)`` int64: each local token's target.
-        - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and sequence start.
+        - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and
+          sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
-        - every other key of ``collators.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights`` ``(S_local,)``
-          float64, ``seq_sources`` a list): each segment's value, its sequence's.
-        - ``context_parallel_shard`` (``ShardRecord``): the rank, world size, row and chunks it was cut for, which
-          the model's forward checks and lays out (``enable_context_parallel``).
+        - every other key of ``collators.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights``
+          ``(S_local,)`` float64, ``seq_sources`` a list): each segment's value, its sequence's.
+        - ``context_parallel_shard`` (``ShardRecord``): the rank, world size, row and chunks it was
+          cut for, which the model's forward checks and lays out (``enable_context_parallel``).
 
     Example:
-
-    >>> import torch
-    >>> from collators import PackedCollator, shard_batch
-    >>> batch = PackedCollator()([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5]},
-    ...                           {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]}])
-    >>> shard = shard_batch(batch, rank=1, world_size=2)  # chunks 2 and 3 of [1 2][3 4][5 6][7 8]
-    >>> shard["input_ids"], shard["shift_labels"]
-    (tensor([[5, 6, 7, 8]]), tensor([[-100,    7,    8, -100]]))
-    >>> shard["cu_seqlens"], shard["seq_targets"]
-    (tensor([0, 1, 2, 4], dtype=torch.int32), tensor([4, 2, 2], dtype=torch.int32))
-    >>> shard["context_parallel_shard"].chunks  # attention work 3 + 7 against 6 + 5
-    ((0, 1), (2, 3))
+        >>> import torch
+        >>> from collators import PackedCollator, shard_batch
+        >>> batch = PackedCollator()([{"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, 3, 4, 5]},
+        ...                           {"input_ids": [6, 7, 8], "labels": [-100, 7, 8]}])
+        >>> shard = shard_batch(batch, rank=1, world_size=2)  # chunks 2, 3 of [1 2][3 4][5 6][7 8]
+        >>> shard["input_ids"], shard["shift_labels"]
+        (tensor([[5, 6, 7, 8]]), tensor([[-100,    7,    8, -100]]))
+        >>> shard["cu_seqlens"], shard["seq_targets"]
+        (tensor([0, 1, 2, 4], dtype=torch.int32), tensor([4, 2, 2], dtype=torch.int32))
+        >>> shard["context_parallel_shard"].chunks  # attention work 3 + 7 against 6 + 5
+        ((0, 1), (2, 3))
     """
     world_size = positive_int(world_size, "world_size")
     rank = positive_int(rank, "rank", minimum=0)
     if rank >= world_size:
         raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank}.")
     if not isinstance(batch, Mapping):
-        raise TypeError(f"`batch` must be a dict of tensors (a PackedCollator batch), got {type(batch).__name__}.")
+        raise TypeError(
+            "`batch` must be a dict of tensors (a PackedCollator batch), got "
+            f"{type(batch).__name__}."
+        )
     missing = {INPUT_IDS, LABELS, CU_SEQLENS} - set(batch)
     if missing:
         raise ValueError(f"`batch` lacks {sorted(missing)}: shard a batch of PackedCollator.")
     input_ids, labels = batch[INPUT_IDS], batch[LABELS]
     for name, tensor in ((INPUT_IDS, input_ids), (LABELS, labels)):
-        if not torch.is_tensor(tensor) or tensor.dim() != 2 or tensor.shape[0] != 1 or tensor.dtype.is_floating_point:
-            raise ValueError(f"`batch['{name}']` must be an integer tensor of shape (1, T), got {_describe(tensor)}.")
+        if (
+            not torch.is_tensor(tensor)
+            or tensor.dim() != 2
+            or tensor.shape[0] != 1
+            or tensor.dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"`batch['{name}']` must be an integer tensor of shape (1, T), got "
+                f"{_describe(tensor)}."
+            )
     num_tokens = input_ids.shape[1]
     if labels.shape != input_ids.shape:
-        raise ValueError(f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` {tuple(input_ids.shape)}.")
+        raise ValueError(
+            f"`batch['labels']` has shape {tuple(labels.shape)}, `input_ids` "
+            f"{tuple(input_ids.shape)}."
+        )
     cu_seqlens = batch[CU_SEQLENS]
-    if not torch.is_tensor(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-        raise ValueError(f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}.")
-    # Every index is computed on the host from one copy of the boundaries: one wait for a device's queued work,
-    # not one per check; the device only gathers.
+    if (
+        not torch.is_tensor(cu_seqlens)
+        or cu_seqlens.dim() != 1
+        or cu_seqlens.dtype.is_floating_point
+    ):
+        raise ValueError(
+            f"`batch['cu_seqlens']` must be a 1-D integer tensor, got {_describe(cu_seqlens)}."
+        )
+    # Every index is computed on the host from one copy of the boundaries: one wait for a device's
+    # queued work, not one per check; the device only gathers.
     bounds = cu_seqlens.detach().to("cpu", torch.int64).numpy()
     if bounds.size < 2 or bounds[0] != 0 or bounds[-1] != num_tokens or (np.diff(bounds) < 0).any():
         raise ValueError(
-            f"`batch['cu_seqlens']` must rise from 0 to T={num_tokens} without decreasing, got {bounds.tolist()}."
+            f"`batch['cu_seqlens']` must rise from 0 to T={num_tokens} without decreasing, got "
+            f"{bounds.tolist()}."
         )
     num_sequences = bounds.size - 1
     lengths = np.diff(bounds)
     num_chunks = 2 * world_size
     if num_tokens % num_chunks:
         raise ValueError(
-            f"`batch` has T={num_tokens} tokens, not a multiple of 2 * world_size = {num_chunks}: collate with "
-            f"PackedCollator(pad_to_multiple_of={num_chunks})."
+            f"`batch` has T={num_tokens} tokens, not a multiple of 2 * world_size = {num_chunks}: "
+            f"collate with PackedCollator(pad_to_multiple_of={num_chunks})."
         )
     device = input_ids.device
     position_ids = batch.get(POSITION_IDS)
     if position_ids is None:
-        position_ids = torch.from_numpy(np.arange(num_tokens) - np.repeat(bounds[:-1], lengths))[None].to(device)
+        position_ids = torch.from_numpy(np.arange(num_tokens) - np.repeat(bounds[:-1], lengths))[
+            None
+        ].to(device)
     elif not torch.is_tensor(position_ids) or position_ids.shape != input_ids.shape:
-        raise ValueError(f"`batch['position_ids']` must be a tensor of shape (1, T), got {_describe(position_ids)}.")
+        raise ValueError(
+            "`batch['position_ids']` must be a tensor of shape (1, T), got "
+            f"{_describe(position_ids)}."
+        )
     per_sequence = {}  # column -> its checked values on the host
     for column in SEQUENCE_COLUMNS:
         values = batch.get(column.key)
         if values is None and column.absent == "count":
-            # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts them).
-            values = np.maximum(targets_per_sequence(labels[0].cpu().numpy(), lengths, ignore_index), 1)
+            # Each sequence's own targets, 1 for a sequence without any (as PackedCollator counts
+            # them).
+            values = np.maximum(
+                targets_per_sequence(labels[0].cpu().numpy(), lengths, ignore_index), 1
+            )
         elif values is None:
             continue
-        elif column.dtype is not None and (not torch.is_tensor(values) or values.shape != (num_sequences,)):
+        elif column.dtype is not None and (
+            not torch.is_tensor(values) or values.shape != (num_sequences,)
+        ):
             raise ValueError(
-                f"`batch['{column.key}']` must be a tensor of shape (S,) = ({num_sequences},), got {_describe(values)}."
+                f"`batch['{column.key}']` must be a tensor of shape (S,) = ({num_sequences},), got "
+                f"{_describe(values)}."
             )
         values = column.values(values, f"batch['{column.key}']")
         if len(values) != num_sequences:
-            raise ValueError(f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got {len(values)}.")
+            raise ValueError(
+                f"`batch['{column.key}']` must list S = {num_sequences} {column.what}s, got "
+                f"{len(values)}."
+            )
         if column.absent == "count" and (values < 1).any():
             raise ValueError(
-                f"`batch['{column.key}']` must be >= 1 (PackedCollator gives 1 to a sequence without targets)."
+                f"`batch['{column.key}']` must be >= 1 (PackedCollator gives 1 to a sequence "
+                "without targets)."
             )
         per_sequence[column] = values
 
@@ -227,7 +275,8 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
     row_starts = np.zeros(num_tokens + 1, dtype=bool)
     row_starts[bounds] = True
     local_starts = np.flatnonzero(row_starts[local] | (np.arange(local.size) % size == 0))
-    # The sequence of a segment is the last one starting at or before its first token (empty ones skipped).
+    # The sequence of a segment is the last one starting at or before its first token (empty ones
+    # skipped).
     sequence_of = np.searchsorted(bounds, local[local_starts], side="right") - 1
     # The target of token t is label t + 1 of its own sequence: none at each sequence's last token.
     shift_labels = torch.full_like(labels[0], ignore_index)
@@ -239,40 +288,52 @@ def shard_batch(batch: Mapping, rank: int, world_size: int, *, ignore_index: int
         LABELS: labels[:, index],
         POSITION_IDS: position_ids[:, index],
         SHIFT_LABELS: shift_labels[index][None],
-        CU_SEQLENS: torch.from_numpy(np.append(local_starts, local.size).astype(np.int32)).to(device),
+        CU_SEQLENS: torch.from_numpy(np.append(local_starts, local.size).astype(np.int32)).to(
+            device
+        ),
         SHARD: ShardRecord(
-            rank, world_size, num_tokens, _row_checksum(input_ids, bounds), tuple(map(tuple, chunks.tolist()))
+            rank,
+            world_size,
+            num_tokens,
+            _row_checksum(input_ids, bounds),
+            tuple(map(tuple, chunks.tolist())),
         ),
     }
     for column, values in per_sequence.items():
         if column.dtype is None:
             shard[column.key] = [values[index] for index in sequence_of.tolist()]
         else:
-            shard[column.key] = torch.from_numpy(np.asarray(values, dtype=column.dtype)[sequence_of]).to(device)
+            shard[column.key] = torch.from_numpy(
+                np.asarray(values, dtype=column.dtype)[sequence_of]
+            ).to(device)
     return shard
 
 
-def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX) -> dict:
-    """One context-parallel rank's share of a one-row batch from any packing collator (the trainers' way).
+def shard_for_rank(
+    batch: Mapping, rank: int, world_size: int, *, ignore_index: int = IGNORE_INDEX
+) -> dict:
+    """One context-parallel rank's share of a one-row batch of any packing collator (for trainers).
 
-    The row's boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` (trl's padding-free batches) or the restarts
-    of ``position_ids``; it is padded to a multiple of ``2 * world_size`` with a segment that has no target, weight
-    0 and no source, then cut by ``shard_batch``. Whole-row keys (``max_seqlen``, the varlen keywords) are left out.
+    The row's boundaries are read from ``cu_seqlens``, ``cu_seq_lens_q`` (trl's padding-free
+    batches) or the restarts of ``position_ids``; it is padded to a multiple of ``2 * world_size``
+    with a segment that has no target, weight 0 and no source, then cut by ``shard_batch``.
+    Whole-row keys (``max_seqlen``, the varlen keywords) are left out.
 
     Args:
-        batch (``dict``): ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the boundaries,
-            optionally ``seq_targets``, ``seq_weights`` ``(S,)`` and ``seq_sources`` (list of ``S``).
-        rank (``int``), world_size (``int``): this rank within the context-parallel group, and its size.
-        ignore_index (``int``, *optional*, defaults to -100): the label of untrained tokens.
+        batch: ``input_ids`` and ``labels`` ``(1, T)`` (labels aligned with ``input_ids``), the
+            boundaries, optionally ``seq_targets``, ``seq_weights`` ``(S,)`` and ``seq_sources``
+            (list of ``S``).
+        rank, world_size: this rank within the context-parallel group, and its size.
+        ignore_index: the label of untrained tokens (default: -100).
 
     Raises:
-        ``ValueError``: a batch of several rows (padded, not packed) or with an ``attention_mask``.
+        ValueError: a batch of several rows (padded, not packed) or with an ``attention_mask``.
     """
     input_ids, labels = batch[INPUT_IDS], batch[LABELS]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or batch.get(ATTENTION_MASK) is not None:
         raise ValueError(
-            "context parallelism needs one packed row per batch (PackedCollator, or trl's padding_free=True), got "
-            f"input_ids of shape {tuple(input_ids.shape)}"
+            "context parallelism needs one packed row per batch (PackedCollator, or trl's "
+            f"padding_free=True), got input_ids of shape {tuple(input_ids.shape)}"
             + (" and an attention_mask" if batch.get(ATTENTION_MASK) is not None else "")
         )
     length = input_ids.shape[1]
@@ -281,7 +342,11 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, *, ignore_index: 
         cu_seqlens = batch.get(CU_SEQ_LENS_Q)
     if cu_seqlens is None:
         position_ids = batch.get(POSITION_IDS)
-        starts = position_restarts(position_ids) if position_ids is not None else torch.arange(length) == 0
+        starts = (
+            position_restarts(position_ids)
+            if position_ids is not None
+            else torch.arange(length) == 0
+        )
         cu_seqlens = F.pad(starts.nonzero().flatten(), (0, 1), value=length)
     cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int64)
     padding = -length % (2 * world_size)

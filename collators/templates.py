@@ -1,9 +1,9 @@
 """Chat templates in four common formats, written for this package.
 
-``CHATML_TEMPLATE`` (the default tokenizer's) marks every assistant turn with ``{% generation %}``. The layouts of
-Llama 3 (``LLAMA3_TEMPLATE``), Mistral (``MISTRAL_TEMPLATE``) and Gemma (``GEMMA_TEMPLATE``, no tool turns) carry no
-markers and exercise the template-agnostic path of ``collators.tokenize_conversation``. All render OpenAI-style
-``tool_calls`` with ``tojson``.
+``CHATML_TEMPLATE`` (the default tokenizer's) marks every assistant turn with ``{% generation %}``.
+The layouts of Llama 3 (``LLAMA3_TEMPLATE``), Mistral (``MISTRAL_TEMPLATE``) and Gemma
+(``GEMMA_TEMPLATE``, no tool turns) carry no markers and exercise the template-agnostic path of
+``collators.tokenize_conversation``. All render OpenAI-style ``tool_calls`` with ``tojson``.
 """
 
 CHATML_TEMPLATE = (
@@ -44,7 +44,8 @@ LLAMA3_TEMPLATE = (
     "{%- endif %}"
     "{{- '<|eot_id|>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' "
+    "}}{%- endif %}"
 )
 
 MISTRAL_TEMPLATE = (

@@ -15,9 +15,9 @@ The public surface:
 from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
 from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
 from .options import ChunkOptions, LossOptions
+from .pending import check_pending
 from .stats import SequenceLosses, TokenStats
 from .targets import count_normaliser
-from .pending import check_pending
 
 __all__ = [
     "cross_entropy",

@@ -17,7 +17,8 @@ one host wait, ``drop_ignored_rows``).
 
 - "mean" / "sum" (one scalar upstream ``g``): the forward computes the loss and the gradients for
   ``g = 1`` in one pass per chunk (GEMM, kernel writing ``G_c`` over ``Z_c``, two GEMMs); the
-  backward rescales by ``g`` (nothing on the device when ``g == 1``, no host sync). ``6 M H V`` FLOPs.
+  backward rescales by ``g`` (nothing on the device when ``g == 1``, no host sync). ``6 M H V``
+  FLOPs.
 - "none" (``g`` per row, ``dL/dW = G^T diag(g) X`` cannot be rescaled later), and fp16 for every
   reduction (its ``G`` must see the loss scale or small entries flush to zero): the forward keeps
   ``lse``, the backward recomputes each chunk's logits. ``8 M H V`` FLOPs.
@@ -39,8 +40,8 @@ import torch
 
 from .options import ChunkOptions, LossOptions
 from .reference import compute_dtype, token_losses, token_stats_rows
-from .targets import Targets
 from .runtime import check_first_order, is_tracing
+from .targets import Targets
 
 # Bytes of one chunk of logits: 1024 rows at V=128256 in bf16 (full GEMM tiles), an eighth of
 # the (N, V) logits at N=8192.
@@ -207,7 +208,8 @@ class _Chunks:
 
     def __iter__(self):
         """``(position, selection)`` per chunk: a slice of the M rows taken, and the same rows
-        of the N inputs (that slice, or an index tensor)."""
+        of the N inputs (that slice, or an index tensor).
+        """
         for start in range(0, self.count, self.size):
             position = slice(start, min(start + self.size, self.count))
             yield position, position if self.rows is None else self.rows[position]
@@ -366,7 +368,8 @@ def _backward_chunks(
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd for the chunked LM head + loss: gradients in the forward for "mean"/"sum",
-    recomputation in the backward for "none" (see the module docstring)."""
+    recomputation in the backward for "none" (see the module docstring).
+    """
 
     @staticmethod
     def forward(
@@ -465,7 +468,18 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         # six options (chunk_loss, chunk_size, accumulation_dtype, drop_ignored_rows, reduce,
         # compute_grad), and the stats buffer.
         return (
-            grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+            grad_hidden,
+            grad_weight,
+            grad_bias,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
         )
 
 

@@ -52,8 +52,8 @@ def cross_entropy(
 
     Raises:
         ValueError / TypeError naming the argument (when values are checked:
-        :func:`packed_ce.check_pending`); RuntimeError for a second backward or
-        ``create_graph=True`` on the Triton backend (see docs/reference.md).
+            :func:`packed_ce.check_pending`); RuntimeError for a second backward or
+            ``create_graph=True`` on the Triton backend (see docs/reference.md).
 
     Example:
         >>> import torch, packed_ce

@@ -1,5 +1,6 @@
 """``fused_linear_cross_entropy``: the LM head and the packed loss without the ``(N, V)`` logits
-(the chunked algorithm: :mod:`packed_ce.chunks`)."""
+(the chunked algorithm: :mod:`packed_ce.chunks`).
+"""
 
 from __future__ import annotations
 

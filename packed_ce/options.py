@@ -38,7 +38,8 @@ def _finite_float(name: str, value: Any) -> float:
 
 class KernelFloats(NamedTuple):
     """The three float options as the kernels read them (:attr:`LossOptions.kernel_floats`):
-    runtime arguments, so a new value does not recompile; ``softcap=0.0`` means none."""
+    runtime arguments, so a new value does not recompile; ``softcap=0.0`` means none.
+    """
 
     label_smoothing: float
     z_loss_scale: float
@@ -73,8 +74,8 @@ class LossOptions:
             of invalid values is unspecified.
 
     Raises:
-        TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out
-        of range, or a NaN/infinite float.
+        TypeError / ValueError naming the field, for a wrong type, an unknown name, a value out of
+            range, or a NaN/infinite float.
 
     Example:
         >>> options = LossOptions(is_packed=True, shift=True, softcap=30)
@@ -110,9 +111,7 @@ class LossOptions:
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if self.backend not in BACKENDS:
-            raise ValueError(
-                f"backend must be 'auto', 'triton' or 'torch', got {self.backend!r}"
-            )
+            raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {self.backend!r}")
         label_smoothing = _finite_float("label_smoothing", self.label_smoothing)
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")

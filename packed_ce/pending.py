@@ -43,7 +43,8 @@ _pending_lock = threading.Lock()
 
 def _forget_pending_in_child() -> None:
     """A forked child (a DataLoader worker) cannot wait on its parent's device work, and may
-    have been forked while another thread held the lock."""
+    have been forked while another thread held the lock.
+    """
     global _pending_lock
     _pending_lock = threading.Lock()
     _pending.clear()
@@ -54,13 +55,15 @@ os.register_at_fork(after_in_child=_forget_pending_in_child)
 
 def defers_checks(device: torch.device) -> bool:
     """Whether the value checks of tensors on ``device`` are deferred: on CUDA, where reading
-    their result now would wait for the device, not on the CPU, where it costs nothing."""
+    their result now would wait for the device, not on the CPU, where it costs nothing.
+    """
     return device.type == "cuda"
 
 
 def queue(record: torch.Tensor, labels_shape: tuple[int, ...], vocab_size: int, ignore_index: int):
     """Queue a device ``record`` for :func:`check_pending`: a non-blocking copy to pinned host
-    memory and an event after it (a CPU record is queued as it is)."""
+    memory and an event after it (a CPU record is queued as it is).
+    """
     done = None
     if record.is_cuda:
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
@@ -81,7 +84,8 @@ def pending_count() -> int:
 
 def discard_pending() -> int:
     """Drops every queued check unread and returns how many there were: a test that leaves a
-    bad call behind on purpose must not have its error raised in the next, unrelated test."""
+    bad call behind on purpose must not have its error raised in the next, unrelated test.
+    """
     with _pending_lock:
         count = len(_pending)
         _pending.clear()

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 
 from .options import Boundaries, LossOptions
-from .reference import compute_dtype
 from .pending import check_pending
+from .reference import compute_dtype
 from .stats import sum_sequence_losses, sum_token_stats
 from .targets import Targets, prepare_targets, sequence_ids
 from .validation import allowed_dtypes, check_arguments, check_values

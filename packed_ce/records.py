@@ -46,7 +46,10 @@ WIDTH = len(Field)
 PER_SEQUENCE = Field.TARGETS_BELOW_ONE  # the first per-sequence field
 # the per-sequence fields that count failures: nonzero means the call is bad
 PER_SEQUENCE_COUNTS = (
-    Field.TARGETS_BELOW_ONE, Field.TARGETS_BELOW_OWN, Field.BAD_WEIGHTS, Field.WEIGHT_SUM_OVERFLOWS,
+    Field.TARGETS_BELOW_ONE,
+    Field.TARGETS_BELOW_OWN,
+    Field.BAD_WEIGHTS,
+    Field.WEIGHT_SUM_OVERFLOWS,
 )
 
 
@@ -78,7 +81,8 @@ def own_targets(
 
 def _first(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
     """``[count, first index or -1, value there or 0]`` of a 1-D mask, as 0-d int64 tensors
-    (no host sync; any length, 0 included)."""
+    (no host sync; any length, 0 included).
+    """
     n = bad.numel()
     index = torch.arange(n + 1, device=bad.device)
     stop = torch.ones(1, dtype=torch.bool, device=bad.device)  # index n: none found
@@ -91,7 +95,8 @@ def _first(bad: torch.Tensor, values: torch.Tensor) -> list[torch.Tensor]:
 def _read(values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """``values[at]`` as 0-d int64 for a 0-d device index, 0 where ``at`` is -1 or
     ``len(values)``. index_select, not ``values[at]``: indexing by a 0-d tensor reads it on the
-    host (a sync on CUDA)."""
+    host (a sync on CUDA).
+    """
     padded = torch.nn.functional.pad(values.to(torch.int64), (0, 1))
     at = torch.where(at < 0, values.numel(), at)
     return padded.index_select(0, at.reshape(1)).reshape(())
@@ -107,7 +112,8 @@ def encode_per_sequence(
     seq_weights: torch.Tensor | None,
 ) -> torch.Tensor:
     """The per-sequence fields (from :data:`PER_SEQUENCE` on): ``(WIDTH - PER_SEQUENCE,)``
-    int64 on the labels' device, no host sync; zeros (and -1 positions) where absent."""
+    int64 on the labels' device, no host sync; zeros (and -1 positions) where absent.
+    """
     device = labels.device
     zero = torch.zeros((), dtype=torch.int64, device=device)
     none_found = [zero, zero - 1, zero]  # _first of an empty mask, without its kernels
@@ -167,8 +173,12 @@ def encode(
     fields.append(bad_count)
     head = torch.stack([f.to(torch.int64) for f in fields])
     tail = encode_per_sequence(
-        flat, cu_seqlens, shift=shift, ignore_index=ignore_index,
-        seq_targets=seq_targets, seq_weights=seq_weights,
+        flat,
+        cu_seqlens,
+        shift=shift,
+        ignore_index=ignore_index,
+        seq_targets=seq_targets,
+        seq_weights=seq_weights,
     )
     return torch.cat([head, tail])
 

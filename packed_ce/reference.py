@@ -1,5 +1,6 @@
 """The pure-PyTorch cross entropy the kernels are tested against, and the torch backend: logits
-upcast (float64 stays float64, else float32), the contract's formula, autograd's gradient."""
+upcast (float64 stays float64, else float32), the contract's formula, autograd's gradient.
+"""
 
 from __future__ import annotations
 

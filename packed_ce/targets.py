@@ -71,7 +71,8 @@ def _per_target_and_share(
     n_s: torch.Tensor, seq_targets: torch.Tensor | None, is_packed: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unweighted ``1 / m_s`` (``(S,)`` of ``dtype``; 0-d 1 with ``is_packed=False``) and each
-    sequence's share of ``D`` (``n_s / m_s``, or ``n_s``), from the ``(S,)`` int64 counts ``n_s``."""
+    sequence's share of ``D`` (``n_s / m_s``, or ``n_s``), from the ``(S,)`` int64 counts ``n_s``.
+    """
     if not is_packed:
         return torch.ones((), dtype=dtype, device=n_s.device), n_s
     # m_s; clamped to >= 1 (a bad seq_targets when validation is off): never 0 * inf = NaN
@@ -90,7 +91,8 @@ def _targets_and_weights(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(N,)`` int64 targets, ``(N,)`` weights ``w_t`` of ``dtype`` and the default ``D`` (0-d:
-    int64, or ``dtype`` with ``seq_targets`` / ``seq_weights``), in PyTorch."""
+    int64, or ``dtype`` with ``seq_targets`` / ``seq_weights``), in PyTorch.
+    """
     cu_seqlens, position_ids = boundaries.cu_seqlens, boundaries.position_ids
     seq_targets, seq_weights = boundaries.seq_targets, boundaries.seq_weights
     shift, ignore_index = options.shift, options.ignore_index
@@ -154,7 +156,9 @@ def _weights_over_mass(
         n_s = own_targets(
             labels, boundaries.cu_seqlens, shift=options.shift, ignore_index=options.ignore_index
         )
-        _, share = _per_target_and_share(n_s, boundaries.seq_targets, options.is_packed, torch.float64)
+        _, share = _per_target_and_share(
+            n_s, boundaries.seq_targets, options.is_packed, torch.float64
+        )
         # a sequence without a target has no part in the mean: weight 0, so that its a_s / D
         # never overflows dtype (0 * inf = NaN in the weight mass of the kernel)
         weights = torch.where(share > 0, weights, 0.0)
@@ -196,8 +200,8 @@ def count_normaliser(
         ``seq_weights`` (a sum of fractions, exact to ~1e-16 over a step).
 
     Raises:
-        TypeError / ValueError naming the argument, from metadata only; contents are not
-        checked (a host sync): the count of malformed values is unspecified.
+        TypeError / ValueError naming the argument, from metadata only; contents are not checked (a
+            host sync): the count of malformed values is unspecified.
 
     Example:
         >>> labels = torch.tensor([-100, 5, -100, -100, -100, 7, 8])
@@ -221,7 +225,9 @@ def count_normaliser(
         cu_seqlens, position_ids, seq_targets=seq_targets, seq_weights=seq_weights
     )
     # checks seq_targets / seq_weights too (their rules in validation.TENSOR_RULES)
-    check_labels(labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels")
+    check_labels(
+        labels, boundaries, is_packed=options.is_packed, device=labels.device, name="labels"
+    )
     return _targets_and_weights(labels, boundaries, options, torch.float64)[2]
 
 

@@ -42,9 +42,12 @@ def checked_boundaries(
     cu_seqlens=None, position_ids=None, num_items_in_batch=None, seq_targets=None, seq_weights=None
 ) -> Boundaries:
     """The call's :class:`Boundaries`, each tensor argument type-checked where it enters (the
-    public functions and modules; a model call's guard checks what the model reads first)."""
+    public functions and modules; a model call's guard checks what the model reads first).
+    """
     tensors = dict(
-        cu_seqlens=cu_seqlens, position_ids=position_ids, seq_targets=seq_targets,
+        cu_seqlens=cu_seqlens,
+        position_ids=position_ids,
+        seq_targets=seq_targets,
         seq_weights=seq_weights,
     )
     for name, value in tensors.items():
@@ -203,14 +206,17 @@ def check_arguments(
 ) -> None:
     """Everything metadata tells about a call's tensors: the logits ``(N, V)`` / ``(B, T, V)``
     (or ``hidden @ weight.T``, called ``name``) of a dtype in ``allowed``, then
-    :func:`check_labels`."""
+    :func:`check_labels`.
+    """
     check_tensor("labels", labels)
     if logits_dtype not in allowed:
         raise TypeError(f"{name} must have dtype in {allowed}, got {logits_dtype}")
     if len(logits_shape) not in (2, 3):
         raise ValueError(f"{name} must be (N, V) or (B, T, V), got shape {tuple(logits_shape)}")
     if logits_shape[-1] < 1:
-        raise ValueError(f"{name} must have a vocabulary of V >= 1 classes, got shape {tuple(logits_shape)}")
+        raise ValueError(
+            f"{name} must have a vocabulary of V >= 1 classes, got shape {tuple(logits_shape)}"
+        )
     if tuple(labels.shape) != tuple(logits_shape[:-1]):
         raise ValueError(
             f"labels must have shape {tuple(logits_shape[:-1])} to match {name} "
@@ -237,7 +243,9 @@ def check_num_items(num_items_in_batch) -> None:
             raise TypeError(
                 f"num_items_in_batch must be a real tensor, got {num_items_in_batch.dtype}"
             )
-    elif isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Integral):
+    elif isinstance(num_items_in_batch, bool) or not isinstance(
+        num_items_in_batch, numbers.Integral
+    ):
         raise TypeError(
             "num_items_in_batch must be an int or a 0-d tensor, "
             f"got {type(num_items_in_batch).__name__}"
@@ -253,7 +261,8 @@ def check_linear(
     allowed: tuple[torch.dtype, ...],
 ) -> None:
     """The LM head's inputs: ``hidden`` ``(N, H)``/``(B, T, H)``, ``weight`` ``(V, H)``, ``bias``
-    ``(V,)`` or None, one dtype among ``allowed``, one device."""
+    ``(V,)`` or None, one dtype among ``allowed``, one device.
+    """
     if hidden.dtype not in allowed:
         raise TypeError(f"hidden must have dtype in {allowed}, got {hidden.dtype}")
     if hidden.dim() not in (2, 3):
@@ -316,8 +325,13 @@ def check_values(
     )
     if coef is None or not pending.defers_checks(labels.device):
         record = records.encode(
-            labels, vocab_size, options.ignore_index, boundaries.cu_seqlens, count,
-            shift=options.shift, seq_targets=boundaries.seq_targets,
+            labels,
+            vocab_size,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            count,
+            shift=options.shift,
+            seq_targets=boundaries.seq_targets,
             seq_weights=boundaries.seq_weights,
         )
         error = records.message([record.tolist()], **where)
@@ -340,4 +354,3 @@ def check_values(
         found = torch.stack([record[0, field] for field in records.PER_SEQUENCE_COUNTS]).any()
         coef.masked_fill_(found, float("nan"))
     pending.queue(record, **where)
-

@@ -18,7 +18,14 @@ import importlib
 # name -> module; imported on first use, so that `packed-ce --help` does not load torch
 _EXPORTS = {
     **dict.fromkeys(
-        ["load_data", "naming_flag", "offline_unless_reachable", "pack", "pack_to_disk", "split_rows"],
+        [
+            "load_data",
+            "naming_flag",
+            "offline_unless_reachable",
+            "pack",
+            "pack_to_disk",
+            "split_rows",
+        ],
         "data",
     ),
     **dict.fromkeys(["build_model", "load_model_config", "tiny_config"], "models"),

@@ -96,7 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         "weights (default: a 2-layer Llama, hidden size 64)",
     )
     demo.add_argument(
-        "--steps", type=_positive(int), default=12, help="optimiser steps of each run (default: %(default)s)"
+        "--steps",
+        type=_positive(int),
+        default=12,
+        help="optimiser steps of each run (default: %(default)s)",
     )
     demo.add_argument(
         "--rows-per-step",
@@ -105,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="packed rows per step; the padded run gets their conversations (default: %(default)s)",
     )
     demo.add_argument(
-        "--lr", type=_positive(float), default=1e-3, help="AdamW learning rate (default: %(default)s)"
+        "--lr",
+        type=_positive(float),
+        default=1e-3,
+        help="AdamW learning rate (default: %(default)s)",
     )
     demo.add_argument(
         "--attn-implementation",
@@ -160,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``packed-ce``; returns the exit status (2 for a user error, printed as one line)."""
+    """Entry point of ``packed-ce``; returns the exit status (2: a user error, in one line)."""
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -176,9 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args) -> int:
     # Imported here, not at the top: `packed-ce --help` answers without loading torch.
-    from collators.data import local_path
-
     import packed_ce_demo as demo
+    from collators.data import local_path
 
     device = _device(args.device) if args.command == "demo" else None  # before any data is read
 
@@ -240,7 +245,7 @@ def _device(name: str | None) -> str:
 
     Raises:
         ValueError naming ``--device``: not a torch device name (``gpu0``), or one this machine
-        lacks (``cuda`` without a CUDA GPU, ``cuda:3`` on a machine with fewer GPUs).
+            lacks (``cuda`` without a CUDA GPU, ``cuda:3`` on a machine with fewer GPUs).
     """
     import torch
 
@@ -249,14 +254,21 @@ def _device(name: str | None) -> str:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"`--device` {name!r} is not a torch device: use cpu, cuda or cuda:<index>") from None
+        raise ValueError(
+            f"`--device` {name!r} is not a torch device: use cpu, cuda or cuda:<index>"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"`--device` {name!r}: this machine has no CUDA GPU (or torch was built without CUDA); use --device cpu")
+        raise ValueError(
+            f"`--device` {name!r}: this machine has no CUDA GPU (or torch was built without CUDA); "
+            "use --device cpu"
+        )
     try:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as error:  # cuda:7 of 2 GPUs, mps elsewhere, ...
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise ValueError(f"`--device` {name!r} cannot hold a tensor here ({reason}); use --device cpu") from None
+        raise ValueError(
+            f"`--device` {name!r} cannot hold a tensor here ({reason}); use --device cpu"
+        ) from None
     return name
 
 

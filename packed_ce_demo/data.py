@@ -49,7 +49,7 @@ def naming_flag(flag: str, value: str | None) -> Iterator[None]:
                 f"(unreachable, or HF_HUB_OFFLINE=1 set): pass {LOCAL_HINTS[flag]}"
             )
         named = re.match(r"`\w+` ", text)
-        text = f"`{flag}` {text[named.end():]}" if named else f"`{flag}` {value!r}: {text}"
+        text = f"`{flag}` {text[named.end() :]}" if named else f"`{flag}` {value!r}: {text}"
         raise ValueError(text) from error
 
 

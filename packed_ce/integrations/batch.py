@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from collators.columns import CU_SEQLENS, CU_SEQ_LENS_Q, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS, SHIFT_LABELS
+from collators.columns import (
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    LABELS,
+    POSITION_IDS,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SHIFT_LABELS,
+)
 
 from ..options import LossOptions
 from ..targets import count_normaliser, prepare_targets

@@ -14,8 +14,21 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from collators.checks import check_weight_range, conversation_weight, targets_per_sequence, weight_array
-from collators.columns import INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SEQ_WEIGHTS, SOURCE_COLUMN, WEIGHT_COLUMN
+from collators.checks import (
+    check_weight_range,
+    conversation_weight,
+    targets_per_sequence,
+    weight_array,
+)
+from collators.columns import (
+    INPUT_IDS,
+    LABELS,
+    SEQ_LENGTHS,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SOURCE_COLUMN,
+    WEIGHT_COLUMN,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +36,18 @@ logger = logging.getLogger(__name__)
 _BATCH_ROWS = 65536
 
 
-def check_datasets(arguments: dict, trainer: str, skip: bool, *, assistant_only: bool = False) -> None:
+def check_datasets(
+    arguments: dict, trainer: str, skip: bool, *, assistant_only: bool = False
+) -> None:
     """A trainer's checks before its construction, on its bound ``train_dataset`` and
     ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
     not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
-    tokenised data) a target in every conversation, or ``skip`` them."""
+    tokenised data) a target in every conversation, or ``skip`` them.
+    """
     if not isinstance(skip, bool):
-        raise TypeError(f"{trainer}: skip_no_assistant must be a bool, got {type(skip).__name__} {skip!r}.")
+        raise TypeError(
+            f"{trainer}: skip_no_assistant must be a bool, got {type(skip).__name__} {skip!r}."
+        )
 
     def check(dataset, name):
         check_columns(dataset, name)
@@ -46,7 +64,8 @@ def check_datasets(arguments: dict, trainer: str, skip: bool, *, assistant_only:
 def each_dataset(argument, name: str, check: Callable):
     """``check(dataset, name)`` on a ``train_dataset`` / ``eval_dataset`` argument (a data set, a
     dict of them, or None), keeping its shape: what ``check`` returns replaces each data set. A
-    dict's data sets are named ``name['<key>']``."""
+    dict's data sets are named ``name['<key>']``.
+    """
     if argument is None:
         return None
     if isinstance(argument, dict):
@@ -64,8 +83,8 @@ def check_columns(dataset, name: str) -> None:
 
     Raises:
         TypeError / ValueError naming the row: a weight not a real number, NaN, infinite, negative
-        or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
-        string; naming the data set when every weight is 0.
+            or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
+            string; naming the data set when every weight is 0.
     """
     columns = getattr(dataset, "column_names", None) or []
     if WEIGHT_COLUMN in columns:
@@ -90,8 +109,8 @@ def check_columns(dataset, name: str) -> None:
         for row, source in enumerate(dataset[SOURCE_COLUMN]):
             if not isinstance(source, str):
                 raise TypeError(
-                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the conversation's data "
-                    f"source, got {type(source).__name__} {source!r}."
+                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the "
+                    f"conversation's data source, got {type(source).__name__} {source!r}."
                 )
 
 
@@ -123,14 +142,16 @@ def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: boo
     ]
     if missing and not skip:
         raise ValueError(
-            f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss leaves "
-            f"it nothing to train on: pass skip_no_assistant=True to {trainer} to skip such "
+            f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss "
+            f"leaves it nothing to train on: pass skip_no_assistant=True to {trainer} to skip such "
             "conversations (counted and logged), or remove them."
         )
     return _drop_rows(dataset, missing, name)
 
 
-def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool, ignore_index: int = -100):
+def skip_or_refuse_without_targets(
+    dataset, name: str, trainer: str, skip: bool, ignore_index: int = -100
+):
     """A tokenised data set (``input_ids``, ``labels``, optionally ``seq_lengths``) whose
     conversations all have a target under the causal shift.
 
@@ -141,14 +162,18 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
     Raises:
         ValueError naming the row and the fix; naming the data set when no row is left.
     """
-    if not isinstance(dataset, datasets.Dataset) or not {INPUT_IDS, LABELS} <= set(dataset.column_names):
+    if not isinstance(dataset, datasets.Dataset) or not {INPUT_IDS, LABELS} <= set(
+        dataset.column_names
+    ):
         return dataset
     columns = dataset.column_names
     packed, split = SEQ_LENGTHS in columns, SEQ_TARGETS in columns
     read = [INPUT_IDS, LABELS] + [SEQ_LENGTHS] * packed
     missing, counted, row = [], 0, 0
     for table in dataset.select_columns(read).with_format("arrow").iter(batch_size=_BATCH_ROWS):
-        tokens = pc.fill_null(pc.list_value_length(table[INPUT_IDS]), 0).to_numpy(zero_copy_only=False)
+        tokens = pc.fill_null(pc.list_value_length(table[INPUT_IDS]), 0).to_numpy(
+            zero_copy_only=False
+        )
         labels = table[LABELS].combine_chunks()
         label_counts = pc.fill_null(pc.list_value_length(labels), 0).to_numpy(zero_copy_only=False)
         for offset in np.flatnonzero((tokens != label_counts) | (tokens == 0)):
@@ -158,21 +183,30 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
                     continue  # no token, so no target: skipped below
                 raise ValueError(
                     f"{at} is empty (no token), so it has nothing to train on: remove it"
-                    + ("" if packed else f", or pass skip_no_assistant=True to {trainer} to skip such rows")
+                    + (
+                        ""
+                        if packed
+                        else f", or pass skip_no_assistant=True to {trainer} to skip such rows"
+                    )
                     + "."
                 )
             raise ValueError(
-                f"{at} has {label_counts[offset]} labels for {tokens[offset]} input_ids: give one label "
-                "per token (-100 where nothing is trained)."
+                f"{at} has {label_counts[offset]} labels for {tokens[offset]} input_ids: give one "
+                "label per token (-100 where nothing is trained)."
             )
         if packed:
             lengths_column = table[SEQ_LENGTHS].combine_chunks()
-            lengths = pc.list_flatten(lengths_column).to_numpy(zero_copy_only=False).astype(np.int64)
-            per_row = pc.fill_null(pc.list_value_length(lengths_column), 0).to_numpy(zero_copy_only=False)
+            lengths = (
+                pc.list_flatten(lengths_column).to_numpy(zero_copy_only=False).astype(np.int64)
+            )
+            per_row = pc.fill_null(pc.list_value_length(lengths_column), 0).to_numpy(
+                zero_copy_only=False
+            )
         else:
             lengths, per_row = tokens.astype(np.int64), np.ones(len(tokens), dtype=np.int64)
         values = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int64)
-        if lengths.sum() != values.size:  # seq_lengths that do not cover their rows: the collator's error
+        # seq_lengths that do not cover their rows: the collator's error
+        if lengths.sum() != values.size:
             row += len(tokens)
             continue
         without = targets_per_sequence(values, lengths, ignore_index) == 0
@@ -182,19 +216,24 @@ def skip_or_refuse_without_targets(dataset, name: str, trainer: str, skip: bool,
             first = int(np.flatnonzero(without)[0])
             if not skip:
                 within = first - int(np.searchsorted(rows, rows[first]))
-                where = f"`{name}[{row + rows[first]}]`" + (f", sequence {within} of its seq_lengths," if packed else "")
+                where = f"`{name}[{row + rows[first]}]`" + (
+                    f", sequence {within} of its seq_lengths," if packed else ""
+                )
                 raise ValueError(
-                    f"{where} has no target (no label other than {ignore_index} after its first token), "
-                    f"so it has nothing to train on: pass skip_no_assistant=True to {trainer} to skip "
-                    "such conversations (counted and logged), or remove them."
+                    f"{where} has no target (no label other than {ignore_index} after its first "
+                    "token), so it has nothing to train on: pass skip_no_assistant=True to "
+                    f"{trainer} to skip such conversations (counted and logged), or remove them."
                 )
             missing.extend((row + rows[without]).tolist())
         row += len(tokens)
     if packed:
         if missing:
             logger.warning(
-                "%s: %d of %d conversations have no target; they stay in their packed rows and weigh "
-                "nothing (skip_no_assistant=True).", name, len(missing), counted,
+                "%s: %d of %d conversations have no target; they stay in their packed rows and "
+                "weigh nothing (skip_no_assistant=True).",
+                name,
+                len(missing),
+                counted,
             )
         return dataset
     return _drop_rows(dataset, missing, name)
@@ -211,8 +250,10 @@ def numbered(dataset):
     return dataset.add_column(ROW_INDEX, list(range(dataset.num_rows)))
 
 
-def skip_or_refuse_dropped(prepared, given: int, name: str, trainer: str, skip: bool, max_length: int | None):
-    """trl's preparation after truncating to ``max_length`` drops, without a word, the rows left
+def skip_or_refuse_dropped(
+    prepared, given: int, name: str, trainer: str, skip: bool, max_length: int | None
+):
+    """TRL's preparation after truncating to ``max_length`` drops, without a word, the rows left
     without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
     or with ``skip`` a logged count; the index column is removed.
 
@@ -227,14 +268,19 @@ def skip_or_refuse_dropped(prepared, given: int, name: str, trainer: str, skip: 
     dropped = np.flatnonzero(~kept)
     if dropped.size and not skip:
         raise ValueError(
-            f"`{name}[{dropped[0]}]` has no target left after truncation to max_length={max_length} "
-            f"({dropped.size} such rows): raise max_length, use packing=True (which keeps or splits long "
-            f"conversations), or pass skip_no_assistant=True to {trainer} to skip them (counted and logged)."
+            f"`{name}[{dropped[0]}]` has no target left after truncation to "
+            f"max_length={max_length} ({dropped.size} such rows): raise max_length, use "
+            "packing=True (which keeps or splits long conversations), or pass "
+            f"skip_no_assistant=True to {trainer} to skip them (counted and logged)."
         )
     if dropped.size:
         logger.warning(
             "%s: skipped %d of %d conversations without a target after truncation to max_length=%s "
-            "(skip_no_assistant=True).", name, dropped.size, given, max_length,
+            "(skip_no_assistant=True).",
+            name,
+            dropped.size,
+            given,
+            max_length,
         )
     return prepared
 
@@ -250,7 +296,9 @@ def _drop_rows(dataset, rows: list[int], name: str):
         )
     logger.warning(
         "%s: skipped %d of %d conversations without a target (skip_no_assistant=True).",
-        name, len(rows), len(dataset),
+        name,
+        len(rows),
+        len(dataset),
     )
     drop = set(rows)
     return dataset.select([i for i in range(len(dataset)) if i not in drop])

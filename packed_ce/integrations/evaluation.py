@@ -58,7 +58,8 @@ def sequence_sums(
 class ExampleTokens:
     """An evaluation collator: ``collator``'s batch plus :data:`EXAMPLE_TOKENS`, ``(B,)`` int64,
     the token count of each example in order (what :meth:`EvaluationSums.without_copies` reads to
-    find an example's tokens in a packed row)."""
+    find an example's tokens in a packed row).
+    """
 
     def __init__(self, collator: Callable):
         self.collator = collator

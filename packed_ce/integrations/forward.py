@@ -147,8 +147,13 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     )
     options, chunk_options = split_keywords(keywords, options, chunked=True)
     result = fused_linear_call(
-        _plain(hidden, "hidden states"), _plain(head.weight, "weight"), targets,
-        _plain(head.bias, "bias"), boundaries, options, chunk_options,
+        _plain(hidden, "hidden states"),
+        _plain(head.weight, "weight"),
+        targets,
+        _plain(head.bias, "bias"),
+        boundaries,
+        options,
+        chunk_options,
     )
     loss = installation.loss.keep_metrics(result, want_stats, want_seq)
     output = CausalLMOutputWithPast(

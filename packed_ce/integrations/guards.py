@@ -7,7 +7,14 @@ from typing import Any
 
 import torch
 
-from collators.columns import ATTENTION_MASK, CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, POSITION_IDS
+from collators.columns import (
+    ATTENTION_MASK,
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+)
 
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
@@ -98,7 +105,8 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
 
 def packed_boundaries(kwargs: dict) -> tuple[Any, Any]:
     """A call's sequence boundaries: ``cu_seqlens`` (else ``cu_seq_lens_q``) and, with
-    ``labels``, ``position_ids``; None where absent."""
+    ``labels``, ``position_ids``; None where absent.
+    """
     boundaries = kwargs.get(CU_SEQLENS)
     if boundaries is None:
         boundaries = kwargs.get(CU_SEQ_LENS_Q)
@@ -107,7 +115,8 @@ def packed_boundaries(kwargs: dict) -> tuple[Any, Any]:
 
 def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
     """True if a sequence of the batch starts anywhere but at the start of a row (False for
-    ``cu_seqlens`` that are not a tensor: the loss refuses them by name)."""
+    ``cu_seqlens`` that are not a tensor: the loss refuses them by name).
+    """
     if boundaries is not None:
         if not isinstance(boundaries, torch.Tensor):
             return False

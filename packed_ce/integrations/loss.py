@@ -159,8 +159,13 @@ class PackedCausalLMLoss:
         self.calls += 1
         want_stats, want_seq = bool(kwargs.get(TOKEN_STATS_KEY)), bool(kwargs.get(SEQ_LOSSES_KEY))
         targets, boundaries, options = self.loss_inputs(
-            labels, logits.device, shift_labels, num_items_in_batch, kwargs,
-            return_token_stats=want_stats, return_seq_losses=want_seq,
+            labels,
+            logits.device,
+            shift_labels,
+            num_items_in_batch,
+            kwargs,
+            return_token_stats=want_stats,
+            return_seq_losses=want_seq,
         )
         result = cross_entropy_call(logits, targets, boundaries, options)
         return self.keep_metrics(result, want_stats, want_seq)

@@ -39,7 +39,12 @@ import torch
 from torch import nn
 
 from collators.columns import (
-    ATTENTION_MASK, CU_SEQ_LENS_K, CU_SEQ_LENS_Q, INPUT_IDS, MAX_LENGTH_K, MAX_LENGTH_Q,
+    ATTENTION_MASK,
+    CU_SEQ_LENS_K,
+    CU_SEQ_LENS_Q,
+    INPUT_IDS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
     POSITION_IDS,
 )
 
@@ -169,7 +174,8 @@ def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _restarts(positions: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """``shape`` bool: where ``position_ids`` (``(B, T)`` or ``(1, T)``) restart inside a row
-    (transformers' rule: ``p[t] != p[t-1] + 1``); all False for positions of another length."""
+    (transformers' rule: ``p[t] != p[t-1] + 1``); all False for positions of another length.
+    """
     starts = torch.zeros(shape, dtype=torch.bool, device=positions.device)
     positions = positions.reshape(-1, positions.shape[-1])
     if positions.shape[-1] == shape[1] and positions.shape[0] in (1, shape[0]):
@@ -243,9 +249,13 @@ class _Audit:
             leak = _mask_leak(mask, self.pairs, self.starts.shape)
         if leak is None:
             return
-        hint = "" if self.positions else (
-            " (this call has no position_ids, so positions run on across the row: pass "
-            "collators.PackedCollator's, which restart at 0 for every conversation)"
+        hint = (
+            ""
+            if self.positions
+            else (
+                " (this call has no position_ids, so positions run on across the row: pass "
+                "collators.PackedCollator's, which restart at 0 for every conversation)"
+            )
         )
         raise ValueError(
             f"packed batches are not exact on model_type={self.family!r} with "
@@ -262,7 +272,8 @@ def _padding(mask) -> bool:
 
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost ``GradientCheckpointingLayer`` modules of the decoder (of the whole model
-    where ``get_decoder`` finds none: some families' returns their head)."""
+    where ``get_decoder`` finds none: some families' returns their head).
+    """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     roots = [model.get_decoder()] if hasattr(model, "get_decoder") else []
@@ -295,7 +306,8 @@ def _bound_arguments(layer: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 def _mask_leak(mask, pairs, shape: tuple[int, int]) -> str | None:
     """What in ``mask`` (4-D, ``BlockMask`` or a mapping of them) lets a boundary query see the
-    sequence before it, as the attention reads it; None when every pair is masked."""
+    sequence before it, as the attention reads it; None when every pair is masked.
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     rows, queries, keys = pairs
@@ -329,7 +341,8 @@ def _mask_leak(mask, pairs, shape: tuple[int, int]) -> str | None:
 
 def _block_mask_visible(mask, rows, queries, keys) -> torch.Tensor:
     """``(P, H)`` bool: each pair attended under a flex ``BlockMask`` (in a full block, or in a
-    partial block where ``mask_mod`` allows it)."""
+    partial block where ``mask_mod`` allows it).
+    """
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
     device = mask.kv_num_blocks.device
@@ -377,10 +390,14 @@ def _flash_leak(arguments: dict, starts: torch.Tensor) -> str | None:
     if bool((starts & ~split).any()):
         return what
     rotary = arguments.get("position_embeddings")
-    if not (isinstance(rotary, (tuple, list)) and rotary and all(
-        isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
-        for t in rotary
-    )):
+    if not (
+        isinstance(rotary, (tuple, list))
+        and rotary
+        and all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == starts.shape[1]
+            for t in rotary
+        )
+    ):
         return "no rotary position_embeddings to check its positions by"
     rows, columns = starts.nonzero(as_tuple=True)
     for table in rotary:  # (B or 1, T, D)

@@ -43,64 +43,128 @@ class Seam:
 
 
 PRIVATE_SEAMS = (
-    Seam("trl.SFTTrainer", "_prepare_dataset", "overridden: trl tokenises, then PackedSFTTrainer "
-         "packs (bfd / bfd_split keeping weight and source) and builds assistant labels for "
-         "templates without generation markers; trl has no public step between the two",
-         ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name")),
-    Seam("trl.SFTConfig", "assistant_only_loss", "set to False around SFTTrainer.__init__ for a "
-         "template without generation markers, which trl refuses or replaces; the labels come "
-         "from collators.tokenize_conversation instead"),
+    Seam(
+        "trl.SFTTrainer",
+        "_prepare_dataset",
+        "overridden: trl tokenises, then PackedSFTTrainer "
+        "packs (bfd / bfd_split keeping weight and source) and builds assistant labels for "
+        "templates without generation markers; trl has no public step between the two",
+        ("dataset", "processing_class", "args", "packing", "formatting_func", "dataset_name"),
+    ),
+    Seam(
+        "trl.SFTConfig",
+        "assistant_only_loss",
+        "set to False around SFTTrainer.__init__ for a "
+        "template without generation markers, which trl refuses or replaces; the labels come "
+        "from collators.tokenize_conversation instead",
+    ),
     Seam("trl.SFTTrainer", "_metrics", "trl's logged metrics, appended to as trl does"),
     Seam("trl.SFTTrainer", "_total_train_tokens", "trl's num_tokens, counted as trl counts it"),
     Seam("trl.SFTTrainer", "_tp_size", "trl's tensor-parallel divisor of num_tokens"),
-    Seam("transformers.Trainer", "_get_num_items_in_batch", "overridden: the step's normaliser "
-         "(sequences, not tokens), counted over all micro-batches before the first forward",
-         ("batch_samples", "device")),
-    Seam("transformers.Trainer", "_set_signature_columns_if_needed", "overridden: keeps the "
-         "packed rows' columns (seq_lengths, weights, sources) for the collator", ()),
+    Seam(
+        "transformers.Trainer",
+        "_get_num_items_in_batch",
+        "overridden: the step's normaliser "
+        "(sequences, not tokens), counted over all micro-batches before the first forward",
+        ("batch_samples", "device"),
+    ),
+    Seam(
+        "transformers.Trainer",
+        "_set_signature_columns_if_needed",
+        "overridden: keeps the "
+        "packed rows' columns (seq_lengths, weights, sources) for the collator",
+        (),
+    ),
     Seam("transformers.Trainer", "_signature_columns", "the kept columns, extended"),
-    Seam("transformers.Trainer", "_prepare_inputs", "overridden: seq_weights move to the device "
-         "in their own dtype; under DeepSpeed the Trainer casts every floating tensor of a batch "
-         "to the engine's dtype (bf16 would round each weight, the normaliser would not)",
-         ("inputs",)),
-    Seam("transformers.Trainer", "_prepare_context_parallel_inputs", "overridden: under "
-         "ParallelismConfig(cp_size) each rank gets its shard of the packed row "
-         "(enable_context_parallel) instead of accelerate's ring attention, which is causal over "
-         "the whole row; training_step calls it after counting num_items_in_batch",
-         ("model", "inputs")),
-    Seam("transformers.trainer", "DEFAULT_CALLBACKS", "the callbacks of every Trainer: "
-         "RefuseOtherTrainers joins them, the one way to reach a stock Trainer"),
-    Seam("transformers.PreTrainedModel", "_loss_function", "where the loss_function property's "
-         "setter stores a model's own loss: read and restored by apply_packed_loss / "
-         "remove_packed_loss, which change one instance, not its class"),
-    Seam("transformers.PreTrainedModel", "_supports_attention_backend", "whether a family's "
-         "attention goes through transformers' attention interface, which context parallelism "
-         "replaces (a family outside it is refused by name)"),
-    Seam("transformers.PretrainedConfig", "_attn_implementation", "the attention a model runs, "
-         "read before enable_context_parallel switches it (set_attn_implementation) and restored "
-         "by disable_context_parallel"),
-    Seam("datasets.Dataset", "_fingerprint", "the data's identity in the keys of the pack and "
-         "tokenize caches (collators/cache.py): datasets has no public accessor"),
-    Seam("datasets.Dataset", "_indices", "a select/shuffle view's indices mapping: pack_dataset "
-         "flattens it so that the tokens are read in place, in order"),
+    Seam(
+        "transformers.Trainer",
+        "_prepare_inputs",
+        "overridden: seq_weights move to the device "
+        "in their own dtype; under DeepSpeed the Trainer casts every floating tensor of a batch "
+        "to the engine's dtype (bf16 would round each weight, the normaliser would not)",
+        ("inputs",),
+    ),
+    Seam(
+        "transformers.Trainer",
+        "_prepare_context_parallel_inputs",
+        "overridden: under "
+        "ParallelismConfig(cp_size) each rank gets its shard of the packed row "
+        "(enable_context_parallel) instead of accelerate's ring attention, which is causal over "
+        "the whole row; training_step calls it after counting num_items_in_batch",
+        ("model", "inputs"),
+    ),
+    Seam(
+        "transformers.trainer",
+        "DEFAULT_CALLBACKS",
+        "the callbacks of every Trainer: "
+        "RefuseOtherTrainers joins them, the one way to reach a stock Trainer",
+    ),
+    Seam(
+        "transformers.PreTrainedModel",
+        "_loss_function",
+        "where the loss_function property's "
+        "setter stores a model's own loss: read and restored by apply_packed_loss / "
+        "remove_packed_loss, which change one instance, not its class",
+    ),
+    Seam(
+        "transformers.PreTrainedModel",
+        "_supports_attention_backend",
+        "whether a family's "
+        "attention goes through transformers' attention interface, which context parallelism "
+        "replaces (a family outside it is refused by name)",
+    ),
+    Seam(
+        "transformers.PretrainedConfig",
+        "_attn_implementation",
+        "the attention a model runs, "
+        "read before enable_context_parallel switches it (set_attn_implementation) and restored "
+        "by disable_context_parallel",
+    ),
+    Seam(
+        "datasets.Dataset",
+        "_fingerprint",
+        "the data's identity in the keys of the pack and "
+        "tokenize caches (collators/cache.py): datasets has no public accessor",
+    ),
+    Seam(
+        "datasets.Dataset",
+        "_indices",
+        "a select/shuffle view's indices mapping: pack_dataset "
+        "flattens it so that the tokens are read in place, in order",
+    ),
 )
 
 # Every process-wide change packed-ce makes, and why it stays: nothing else outlives a call, a
 # remove_packed_loss or a disable_context_parallel (tests/test_integration_guards.py).
 GLOBAL_STATE = (
-    ("transformers.trainer.DEFAULT_CALLBACKS", "RefuseOtherTrainers appended by the first "
-     "apply_packed_loss", "the one way to reach a stock Trainer created later; it does nothing "
-     "for a model without the packed loss, and removing it would need a registry of models"),
-    ("transformers.AttentionInterface", "packed_ce_context_parallel registered by the first "
-     "enable_context_parallel", "stateless (each call brings its row layout); a model uses it "
-     "only while context parallelism is enabled on it"),
-    ("context_parallel.attention._compiled_flex_attention", "flex_attention compiled on the "
-     "first long row", "compiling costs seconds, and transformers keeps its own compiled copy "
-     "the same way"),
-    ("forward._running", "a thread-local count of packed forwards running", "0 outside a "
-     "forward: the decoder's pre-hook tells a call through the packed forward from one past it"),
-    ("pending", "the queue of value checks made on the device", "emptied by each loss call's "
-     "check and check_pending(); discard_pending() clears it"),
+    (
+        "transformers.trainer.DEFAULT_CALLBACKS",
+        "RefuseOtherTrainers appended by the first apply_packed_loss",
+        "the one way to reach a stock Trainer created later; it does nothing "
+        "for a model without the packed loss, and removing it would need a registry of models",
+    ),
+    (
+        "transformers.AttentionInterface",
+        "packed_ce_context_parallel registered by the first enable_context_parallel",
+        "stateless (each call brings its row layout); a model uses it "
+        "only while context parallelism is enabled on it",
+    ),
+    (
+        "context_parallel.attention._compiled_flex_attention",
+        "flex_attention compiled on the first long row",
+        "compiling costs seconds, and transformers keeps its own compiled copy the same way",
+    ),
+    (
+        "forward._running",
+        "a thread-local count of packed forwards running",
+        "0 outside a "
+        "forward: the decoder's pre-hook tells a call through the packed forward from one past it",
+    ),
+    (
+        "pending",
+        "the queue of value checks made on the device",
+        "emptied by each loss call's check and check_pending(); discard_pending() clears it",
+    ),
 )
 
 

@@ -16,14 +16,20 @@ import torch
 
 from collators.collate import example_values, sequence_columns
 from collators.columns import (
-    CU_SEQLENS, CU_SEQ_LENS_Q, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQUENCE_COLUMNS,
+    CU_SEQ_LENS_Q,
+    CU_SEQLENS,
+    INPUT_IDS,
+    LABELS,
+    SEQ_LENGTHS,
+    SEQUENCE_COLUMNS,
 )
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     """``input_ids`` and ``labels`` of conversational data, the assistant turns trained.
 
-    Any chat template; with ``{% generation %}`` markers the labels of trl's ``assistant_only_loss``.
+    Any chat template; with ``{% generation %}`` markers the labels of trl's
+    ``assistant_only_loss``.
     """
     import collators
 
@@ -53,7 +59,7 @@ def pack(dataset, max_length: int, strategy: str):
 
 
 class SequenceColumns:
-    """trl's collator, plus the per-sequence values of ``SEQUENCE_COLUMNS`` (target counts, weights,
+    """TRL's collator, plus the per-sequence values of ``SEQUENCE_COLUMNS`` (target counts, weights,
     sources), aligned with the loss.
 
     Laid out as trl's batch: padding-free, the sequences back to back and one per padding token

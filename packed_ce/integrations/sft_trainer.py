@@ -28,14 +28,13 @@ from trl.trainer.utils import get_config_model_id
 from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
 from ..stats import TokenStats
-from . import sft_data
+from . import data_checks, sft_data
+from .data_checks import check_datasets, skip_or_refuse_without_targets
 from .forward import fusable_reason
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import TOKEN_STATS_KEY
-from . import data_checks
-from .data_checks import check_datasets, skip_or_refuse_without_targets
-from .trainer import PackedNormaliserMixin, refuse_prediction_metrics, refuse_token_mean_options
 from .seams import warn_if_untested_trl
+from .trainer import PackedNormaliserMixin, refuse_prediction_metrics, refuse_token_mean_options
 from .transformers import apply_packed_loss
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
@@ -124,11 +123,11 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         self.data_collator = sft_data.SequenceColumns(self.data_collator, self.padding_free)
 
     def _router_loss(self) -> float:
-        """trl's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
+        """TRL's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
         return float(self.router_aux_loss_coef) if self.aux_loss_enabled else 0.0
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
-        """trl's preparation, with this trainer's packing and, where needed, its labels.
+        """TRL's preparation, with this trainer's packing and, where needed, its labels.
 
         Without generation markers, ``assistant_only_loss`` data is tokenised by
         :func:`sft_data.assistant_labels` first; with ``packing=True`` the rows come from
@@ -140,10 +139,19 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         if not packing:
             given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
-                data_checks.numbered(dataset), processing_class, args, packing, formatting_func, name
+                data_checks.numbered(dataset),
+                processing_class,
+                args,
+                packing,
+                formatting_func,
+                name,
             )
             prepared = data_checks.skip_or_refuse_dropped(
-                prepared, given, f"{name}_dataset", type(self).__name__, self._skip_no_assistant,
+                prepared,
+                given,
+                f"{name}_dataset",
+                type(self).__name__,
+                self._skip_no_assistant,
                 args.max_length,
             )
             return self._without_targets(prepared, name)
@@ -161,14 +169,16 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
     def _without_targets(self, prepared, name: str):
         """The prepared rows, checked for a target each (trl's truncation, an empty completion):
-        skipped with ``skip_no_assistant``, else ValueError naming the first row without one."""
+        skipped with ``skip_no_assistant``, else ValueError naming the first row without one.
+        """
         return skip_or_refuse_without_targets(
             prepared, f"{name}_dataset", type(self).__name__, self._skip_no_assistant
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The packed loss of one micro-batch, normalised for the whole step
-        (:meth:`PackedNormaliserMixin.compute_loss`); logs trl's metrics from the same call."""
+        (:meth:`PackedNormaliserMixin.compute_loss`); logs trl's metrics from the same call.
+        """
         mode = "train" if self.model.training else "eval"
         packed_loss = installation_of(self.model).loss
         packed_loss.take_token_stats()  # so that stats of an earlier call are never read as these
@@ -184,11 +194,13 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         self._log_token_metrics(mode, stats, inputs)
         if self.aux_loss_enabled:
             aux = outputs.aux_loss.detach()[None]
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
+            self._metrics[mode]["aux_loss"].append(
+                self.accelerator.gather_for_metrics(aux).mean().item()
+            )
         return (loss, outputs) if return_outputs else loss
 
     def _log_token_metrics(self, mode: str, stats: TokenStats, inputs) -> None:
-        """trl's ``entropy``, ``mean_token_accuracy`` and ``num_tokens``, gathered over processes."""
+        """TRL's ``entropy``, ``mean_token_accuracy``, ``num_tokens``, gathered over processes."""
         sums = torch.stack(stats)[None]  # (1, 3): entropy sum, top-1 hits, targets
         entropy, correct, targets = self.accelerator.gather_for_metrics(sums).sum(0).tolist()
         metrics = self._metrics[mode]
@@ -208,7 +220,8 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 def sft_config(args, model) -> SFTConfig:
     """``args`` as trl's ``SFTTrainer.__init__`` makes it an ``SFTConfig`` (trl 1.16), so that the
     options are read before trl reads them: None gives ``SFTConfig("<model name>-SFT")``, a plain
-    ``TrainingArguments`` its own fields (and the hub token, which ``to_dict`` hides)."""
+    ``TrainingArguments`` its own fields (and the hub token, which ``to_dict`` hides).
+    """
     if args is None:
         name = model if isinstance(model, str) else get_config_model_id(model.config)
         return SFTConfig(f"{name.split('/')[-1]}-SFT")

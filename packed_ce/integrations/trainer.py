@@ -18,7 +18,13 @@ import transformers
 from transformers import Trainer, TrainerCallback
 
 from collators.columns import (
-    EXAMPLE_TOKENS, FLOAT_SEQUENCE_KEYS, LABELS, ROW_COLUMNS, SEQ_SOURCES, SHARD, source_names,
+    EXAMPLE_TOKENS,
+    FLOAT_SEQUENCE_KEYS,
+    LABELS,
+    ROW_COLUMNS,
+    SEQ_SOURCES,
+    SHARD,
+    source_names,
 )
 from collators.sharding import shard_for_rank
 
@@ -40,7 +46,8 @@ EXACT_FLOAT_KEYS = FLOAT_SEQUENCE_KEYS
 
 class CheckPendingValues(TrainerCallback):
     """Raises a bad value a loss call of the step received before the optimiser steps: on CUDA
-    the error would otherwise come with the next loss call, after a step on NaN gradients."""
+    the error would otherwise come with the next loss call, after a step on NaN gradients.
+    """
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         check_pending()
@@ -59,7 +66,7 @@ class PackedNormaliserMixin:
     - :class:`CheckPendingValues` added, :class:`RefuseOtherTrainers` removed.
     """
 
-    _context_parallel: ContextParallel | None = None  # the model's, under ParallelismConfig(cp_size)
+    _context_parallel: ContextParallel | None = None  # the model's, with ParallelismConfig(cp_size)
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # sequence_sums of the logging window, on device
     _evaluation: EvaluationSums | None = None  # while an evaluation loop runs
@@ -99,8 +106,9 @@ class PackedNormaliserMixin:
             self._sources = source_names(self.train_dataset, self.eval_dataset)
 
     def _set_up_context_parallel(self) -> None:
-        """``ParallelismConfig(cp_size=K)``: :func:`enable_context_parallel` on accelerate's ``"cp"``
-        mesh group; the other dimension is data parallel."""
+        """``ParallelismConfig(cp_size=K)``: :func:`enable_context_parallel` on accelerate's
+        ``"cp"`` mesh group; the other dimension is data parallel.
+        """
         config = getattr(self.accelerator, "parallelism_config", None)
         if config is None or not config.cp_enabled:
             return
@@ -116,7 +124,8 @@ class PackedNormaliserMixin:
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """This rank's shard of the row (:func:`shard_for_rank`), in place of accelerate's ring
-        attention, which would let conversations attend to each other."""
+        attention, which would let conversations attend to each other.
+        """
         if self._context_parallel is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         state, loss = self._context_parallel, packed_loss_of(self.model)
@@ -135,7 +144,8 @@ class PackedNormaliserMixin:
     @contextlib.contextmanager
     def _counting_example_tokens(self):
         """The data collator wrapped in :class:`ExampleTokens` while an evaluation loader is
-        built (in the batch: a worker process's collator cannot report back otherwise)."""
+        built (in the batch: a worker process's collator cannot report back otherwise).
+        """
         collator = self.data_collator
         self.data_collator = ExampleTokens(collator)
         try:
@@ -144,11 +154,16 @@ class PackedNormaliserMixin:
             self.data_collator = collator
 
     def evaluation_loop(
-        self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+        self,
+        dataloader,
+        description,
+        prediction_loss_only=None,
+        ignore_keys=None,
         metric_key_prefix="eval",
     ):
         """The Trainer's loop, its ``<prefix>_loss`` replaced by the per-conversation mean over the
-        whole data set, and ``<prefix>_loss/<source>`` beside it (:class:`EvaluationSums`)."""
+        whole data set, and ``<prefix>_loss/<source>`` beside it (:class:`EvaluationSums`).
+        """
         name = type(self).__name__
         refuse_prediction_metrics(name, self.compute_metrics, self.preprocess_logits_for_metrics)
         sources = set(self._sources) | set(source_names(getattr(dataloader, "dataset", None)))
@@ -206,7 +221,8 @@ class PackedNormaliserMixin:
 
     def _prepare_inputs(self, inputs: dict) -> dict:
         """The Trainer's preparation of a batch, with the keys of ``EXACT_FLOAT_KEYS`` moved to
-        the device in their own dtype."""
+        the device in their own dtype.
+        """
         exact = {key: inputs[key] for key in EXACT_FLOAT_KEYS if torch.is_tensor(inputs.get(key))}
         prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k not in exact})
         prepared.update({key: value.to(self.args.device) for key, value in exact.items()})
@@ -258,7 +274,9 @@ class PackedNormaliserMixin:
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         if coef:
-            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            steps = (
+                self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            )
             loss = loss + coef * aux / steps
         if want_sources:
             scale = 1.0 if num_items_in_batch is None else num_items_in_batch
@@ -356,7 +374,8 @@ def refuse_token_mean_options(trainer: str, args, compute_loss_func) -> None:
 
 def refuse_prediction_metrics(trainer: str, compute_metrics, preprocess_logits_for_metrics) -> None:
     """Raises for the Trainer options that read predictions: a packed batch's are rows of several
-    conversations (and the last batch's hold copies), not one prediction per conversation."""
+    conversations (and the last batch's hold copies), not one prediction per conversation.
+    """
     for option, value in (
         ("compute_metrics", compute_metrics),
         ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
@@ -367,4 +386,3 @@ def refuse_prediction_metrics(trainer: str, compute_metrics, preprocess_logits_f
                 "one prediction per conversation; leave it out: evaluate() reports eval_loss (the "
                 "per-conversation mean over the eval set) and eval_loss/<source>"
             )
-

@@ -83,9 +83,7 @@ def apply_packed_loss(
         reason = fusable_reason(target)
         if reason is not None:
             raise ValueError(reason)
-    elif loss.options.inplace_backward and getattr(
-        target.config, "final_logit_softcapping", None
-    ):
+    elif loss.options.inplace_backward and getattr(target.config, "final_logit_softcapping", None):
         # tanh's backward reads its output, the capped logits: overwritten, every gradient
         # upstream would be silently wrong
         raise ValueError(

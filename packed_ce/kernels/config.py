@@ -29,7 +29,8 @@ def bandwidth_per_sm(device_index: int) -> float:
 
 def launch_config(vocab_size: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_V, num_warps) for a row of ``vocab_size`` logits on ``device``; the kernel holds
-    the row on chip where BLOCK_V >= vocab_size."""
+    the row on chip where BLOCK_V >= vocab_size.
+    """
     if interpreting():
         # The interpreter runs blocks as numpy arrays: small blocks keep tests quick and make
         # the multi-block loop and its masked tail run at test-sized vocabularies.

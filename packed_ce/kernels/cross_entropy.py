@@ -65,9 +65,7 @@ def _apply_softcap(raw, softcap):
 
 
 @triton.jit
-def _load_block(
-    logits_row, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr
-):
+def _load_block(logits_row, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
     # x (capped if HAS_SOFTCAP, -inf where masked) and its slope dx/draw (1.0 without softcap)
     # for the columns ``offs`` of one row, in fp32.
     raw = tl.load(logits_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -80,8 +78,17 @@ def _load_block(
 
 @triton.jit
 def _block_gradient(
-    x, slope, offs, target, lse, p_scale, g, label_smoothing, V,
-    HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    x,
+    slope,
+    offs,
+    target,
+    lse,
+    p_scale,
+    g,
+    label_smoothing,
+    V,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     # g * dl/dx_j * dx/draw_j for the columns ``offs`` (x = -inf where masked gives 0 there).
     d = tl.exp(x - lse) * p_scale
@@ -225,8 +232,17 @@ def _cross_entropy_kernel(
                 # Write N*V from the row held since pass 1. Every store waits for lse, i.e. for
                 # the reductions over all of the row's loads: grad_ptr may alias logits.
                 d = _block_gradient(
-                    x_row, slope_row, cols, target, lse, p_scale, g, label_smoothing, V,
-                    HAS_SMOOTHING, HAS_SOFTCAP,
+                    x_row,
+                    slope_row,
+                    cols,
+                    target,
+                    lse,
+                    p_scale,
+                    g,
+                    label_smoothing,
+                    V,
+                    HAS_SMOOTHING,
+                    HAS_SOFTCAP,
                 )
                 tl.store(grad_row + cols, d.to(grad_ptr.dtype.element_ty), mask=row_mask)
             else:
@@ -237,8 +253,17 @@ def _cross_entropy_kernel(
                     mask = start + cols < V
                     x, slope = _load_block(logits_row, start + cols, mask, softcap, HAS_SOFTCAP)
                     d = _block_gradient(
-                        x, slope, start + cols, target, lse, p_scale, g, label_smoothing, V,
-                        HAS_SMOOTHING, HAS_SOFTCAP,
+                        x,
+                        slope,
+                        start + cols,
+                        target,
+                        lse,
+                        p_scale,
+                        g,
+                        label_smoothing,
+                        V,
+                        HAS_SMOOTHING,
+                        HAS_SOFTCAP,
                     )
                     tl.store(grad_row + start + cols, d.to(grad_ptr.dtype.element_ty), mask=mask)
     else:
@@ -375,7 +400,8 @@ def scale_in_place(grad: torch.Tensor, scale: torch.Tensor) -> None:
 
 def _mark_overwritten(logits: torch.Tensor) -> None:
     """Bumps the autograd version of ``logits``, now holding their gradient: a node that saved
-    them raises "modified by an inplace operation" instead of reading the gradient as logits."""
+    them raises "modified by an inplace operation" instead of reading the gradient as logits.
+    """
     torch.autograd.graph.increment_version(logits)
 
 

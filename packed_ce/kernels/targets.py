@@ -110,9 +110,10 @@ def sequence_targets(
         seq_weights: ``(S,)`` float ``a_s`` or None (1).
 
     Returns:
-        ``targets`` ``(N,)`` int64, ``weight`` ``(N,)`` fp32 (``w_t``, docs/reference.md "The loss, exactly")
-        and ``num_items`` ``()`` fp32: the weight mass ``sum_s a_s n_s / m_s`` (``is_packed``)
-        or ``sum_s a_s n_s``; without ``seq_targets`` the ``n_s / m_s`` are the exact 0 or 1.
+        ``targets`` ``(N,)`` int64, ``weight`` ``(N,)`` fp32 (``w_t``, docs/reference.md "The loss,
+        exactly") and ``num_items`` ``()`` fp32: the weight mass ``sum_s a_s n_s / m_s``
+        (``is_packed``) or ``sum_s a_s n_s``; without ``seq_targets`` the ``n_s / m_s`` are the
+        exact 0 or 1.
     """
     n = labels.numel()
     # Filled, not empty: tokens outside every sequence (only with a malformed cu_seqlens while

@@ -5,7 +5,8 @@
 - ``layout.py``: who holds which tokens of the row, and the masks;
 - ``attention.py``: the attention over the whole row and its collectives.
 
-The shards come from :func:`collators.shard_batch` (the trainers: ``collators.sharding.shard_for_rank``).
+The shards come from :func:`collators.shard_batch` (the trainers:
+``collators.sharding.shard_for_rank``).
 """
 
 from .install import context_parallel_of, disable_context_parallel, enable_context_parallel

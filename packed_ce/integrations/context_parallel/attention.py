@@ -2,11 +2,11 @@
 
 Registered once with transformers' attention interface under :data:`ATTENTION_NAME`; it holds no
 state: the row's :class:`~.layout.RowLayout` comes with each call (:data:`ROW_LAYOUT`). The keys and
-values are all-gathered together per layer (rank-major: the mask maps each to its row token);
-the gather's backward is one reduce-scatter, so the parameter gradients summed over the ranks are one process's. What a family
-asks of its attention is done exactly or refused: sliding windows (the mask), an attention logit
-softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score), attention sinks (gpt-oss: a
-per-head logit in the softmax's denominator only), dropout (refused).
+values are all-gathered together per layer (rank-major: the mask maps each to its row token); the
+gather's backward is one reduce-scatter, so the parameter gradients summed over the ranks are one
+process's. What a family asks of its attention is done exactly or refused: sliding windows (the
+mask), an attention logit softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score),
+attention sinks (gpt-oss: a per-head logit in the softmax's denominator only), dropout (refused).
 """
 
 from __future__ import annotations
@@ -57,17 +57,21 @@ class _GatherRow(torch.autograd.Function):
         return own[:, 0], own[:, 1], None  # no gradient for the layout
 
 
-def gather_row(key: torch.Tensor, value: torch.Tensor, layout: RowLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_row(
+    key: torch.Tensor, value: torch.Tensor, layout: RowLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as ``(1, Hkv, T, D)``, rank-major
     (:class:`RowLayout` maps each entry to its row token). They are ``(1, L, H, D)`` transposed,
-    so the token-major views need no copy."""
+    so the token-major views need no copy.
+    """
     keys, values = _GatherRow.apply(key[0].transpose(0, 1), value[0].transpose(0, 1), layout)
     return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention with a sink logit per head from attention without: ``p_k = e^{s_k} / (Z + e^{sink})``
-    is ``e^{s_k} / Z`` times ``Z / (Z + e^{sink}) = sigmoid(lse - sink)``.
+    """Attention with a sink logit per head from attention without:
+    ``p_k = e^{s_k} / (Z + e^{sink})`` is ``e^{s_k} / Z`` times
+    ``Z / (Z + e^{sink}) = sigmoid(lse - sink)``.
 
     Args:
         out: ``(1, Hq, L, D)`` attention output without sinks. lse: ``(1, Hq, L)`` float32,
@@ -87,7 +91,8 @@ def _softcap_mod(softcap: float):
 
 def _dense(query, keys, values, mask, scaling, softcap, sinks) -> torch.Tensor:
     """Short rows and CPU: sdpa with the dense ``(L, T)`` mask; with a softcap or sinks the
-    scores themselves, in float32 at least (as transformers' eager attention)."""
+    scores themselves, in float32 at least (as transformers' eager attention).
+    """
     groups = query.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(groups, dim=1)
     values = values.repeat_interleave(groups, dim=1)
@@ -95,7 +100,8 @@ def _dense(query, keys, values, mask, scaling, softcap, sinks) -> torch.Tensor:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
     dtype = torch.promote_types(query.dtype, torch.float32)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query.to(dtype), keys.to(dtype).transpose(-1, -2)) * scale  # (1, Hq, L, T)
+    # (1, Hq, L, T)
+    scores = torch.matmul(query.to(dtype), keys.to(dtype).transpose(-1, -2)) * scale
     if softcap is not None:
         scores = _softcap_mod(softcap)(scores, None, None, None, None)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -122,7 +128,9 @@ def _flex(query, keys, values, block_mask, scaling, softcap, sinks) -> torch.Ten
         return _compiled_flex_attention(query, keys, values, **common)
     from torch.nn.attention.flex_attention import AuxRequest
 
-    out, aux = _compiled_flex_attention(query, keys, values, return_aux=AuxRequest(lse=True), **common)
+    out, aux = _compiled_flex_attention(
+        query, keys, values, return_aux=AuxRequest(lse=True), **common
+    )
     return _with_sinks(out, aux.lse, sinks)
 
 
@@ -157,8 +165,8 @@ def attention(
         fields = [f"config.{name}" for name in DROPOUT_FIELDS if getattr(config, name, None)]
         raise ValueError(
             f"{type(module).__name__} applies attention dropout p={dropout} in training, which "
-            f"context-parallel attention does not: set {' / '.join(fields) or 'its attention dropout'} "
-            "to 0.0"
+            "context-parallel attention does not: set "
+            f"{' / '.join(fields) or 'its attention dropout'} to 0.0"
         )
     if kwargs.get("is_causal") is False:
         raise ValueError(

@@ -21,7 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from collators.columns import (
-    CU_SEQLENS, INPUT_IDS, LABELS, POSITION_IDS, SEQ_TARGETS, SEQ_WEIGHTS, SHARD, SHIFT_LABELS,
+    CU_SEQLENS,
+    INPUT_IDS,
+    LABELS,
+    POSITION_IDS,
+    SEQ_TARGETS,
+    SEQ_WEIGHTS,
+    SHARD,
+    SHIFT_LABELS,
 )
 
 from ...options import LossOptions
@@ -68,7 +75,9 @@ def _refusal(model: nn.Module) -> str | None:
             f"{name} does not compute attention through transformers' attention interface, so "
             "context parallelism cannot replace it"
         )
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = (
+        model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    )
     other = sorted(set(getattr(config, "layer_types", None) or ()) - EXACT_LAYER_TYPES)
     if other:
         return (
@@ -83,8 +92,9 @@ def _refusal(model: nn.Module) -> str | None:
 def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
     """Makes each rank of ``group`` attend over the whole packed row, within each conversation.
 
-    On rank ``r`` of ``W``, ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss``
-    with ``n = count_num_items(batch)`` (summed over all processes, each rank counting the batch it
+    On rank ``r`` of ``W``,
+    ``model(**collators.shard_batch(batch, r, W), num_items_in_batch=n).loss`` with
+    ``n = count_num_items(batch)`` (summed over all processes, each rank counting the batch it
     shards) is rank ``r``'s share of the one-process loss; the shares and the gradients summed over
     the ranks are the one-process ones. Sliding windows, attention softcaps and sinks are exact.
     Works with the packed loss on the logits or fused, PEFT and gradient checkpointing (several
@@ -184,7 +194,9 @@ def prepare_call(model: nn.Module, kwargs: dict) -> dict:
     options = dataclasses.replace(installation_of(model).loss.options, shift=False)
     _check_facts(_gather_facts(state, record, kwargs, options), world)
     position_ids = kwargs[POSITION_IDS]
-    kwargs[ROW_LAYOUT] = RowLayout.gather(state.group, state.rank, world, position_ids, record.chunks)
+    kwargs[ROW_LAYOUT] = RowLayout.gather(
+        state.group, state.rank, world, position_ids, record.chunks
+    )
     if kwargs.get(LABELS) is not None:
         count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
         kwargs["num_items_in_batch"] = count.to(torch.float64) / world
@@ -202,7 +214,11 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     problem = _OK
     if record is None:
         problem = _NOT_A_SHARD
-    elif position_ids is None or position_ids.dim() != 2 or length * record.world_size != record.row_length:
+    elif (
+        position_ids is None
+        or position_ids.dim() != 2
+        or length * record.world_size != record.row_length
+    ):
         problem = _BAD_POSITIONS
     elif labels is not None and kwargs.get(SHIFT_LABELS) is None:
         problem = _NO_SHIFT_LABELS
@@ -211,17 +227,25 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     mass = torch.zeros((), dtype=torch.float64, device=device)
     if problem == _OK and labels is not None:
         mass = count_normaliser(
-            kwargs[SHIFT_LABELS], cu_seqlens=kwargs.get(CU_SEQLENS), seq_targets=kwargs.get(SEQ_TARGETS),
-            seq_weights=kwargs.get(SEQ_WEIGHTS), options=options,
+            kwargs[SHIFT_LABELS],
+            cu_seqlens=kwargs.get(CU_SEQLENS),
+            seq_targets=kwargs.get(SEQ_TARGETS),
+            seq_weights=kwargs.get(SEQ_WEIGHTS),
+            options=options,
         ).to(device=device, dtype=torch.float64)
     given = torch.as_tensor(0 if count is None else count, device=device).to(torch.float64)
-    integers = [problem, length, *(
-        (0, 0, 0) if record is None else (record.world_size, record.rank, record.row_checksum)
-    ), labels is not None]
-    mine = torch.cat((
-        torch.tensor(integers, dtype=torch.int64, device=device),
-        torch.stack((mass, given)).view(torch.int64),  # float64 bits, exact through the gather
-    ))
+    integers = [
+        problem,
+        length,
+        *((0, 0, 0) if record is None else (record.world_size, record.rank, record.row_checksum)),
+        labels is not None,
+    ]
+    mine = torch.cat(
+        (
+            torch.tensor(integers, dtype=torch.int64, device=device),
+            torch.stack((mass, given)).view(torch.int64),  # float64 bits, exact through the gather
+        )
+    )
     table = mine.new_empty(state.world_size * _COLUMNS)
     dist.all_gather_into_tensor(table, mine, group=state.group)
     table = table.reshape(state.world_size, _COLUMNS).cpu()
@@ -245,9 +269,9 @@ def _check_facts(table: list, world: int) -> None:
             )
         if problem == _NO_SHIFT_LABELS:
             raise ValueError(
-                f"rank {rank} called the model with labels but without shift_labels: pass the shard "
-                "as collators.shard_batch returns it (its shift_labels keep the target of each "
-                "chunk's last token)"
+                f"rank {rank} called the model with labels but without shift_labels: pass the "
+                "shard as collators.shard_batch returns it (its shift_labels keep the target of "
+                "each chunk's last token)"
             )
         if problem == _NO_NUM_ITEMS:
             raise ValueError(
@@ -280,7 +304,7 @@ def _check_facts(table: list, world: int) -> None:
         if row[5] and row[7] < world * mass * (1 - 1e-9):
             raise ValueError(
                 f"rank {rank} passed num_items_in_batch={row[7]:g}, less than {world} times this "
-                f"row's own normaliser ({mass:g}): count it with count_num_items(batch) of the whole "
-                "batch, summed over all processes (the default): each of the group's "
+                f"row's own normaliser ({mass:g}): count it with count_num_items(batch) of the "
+                "whole batch, summed over all processes (the default): each of the group's "
                 f"{world} ranks counts the row it shards, and the model divides by {world}"
             )

@@ -1,9 +1,10 @@
 """Who holds which tokens of a context-parallel row, and which keys each query may see.
 
 Rank ``r`` of ``W`` holds ``m`` chunks of ``C`` tokens of the row, chosen by
-:func:`collators.shard_batch` to balance the ranks' attention work (the shard records them). Query ``q`` sees key ``k`` iff both are in the same
-conversation (transformers' ``position_ids`` restart rule, on the gathered row), ``k <= q``, and,
-on a sliding-window layer of window ``w``, ``q - k < w`` (transformers' ``sliding_window_overlay``).
+:func:`collators.shard_batch` to balance the ranks' attention work (the shard records them). Query
+``q`` sees key ``k`` iff both are in the same conversation (transformers' ``position_ids`` restart
+rule, on the gathered row), ``k <= q``, and, on a sliding-window layer of window ``w``,
+``q - k < w`` (transformers' ``sliding_window_overlay``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class RowLayout:
     ) -> RowLayout:
         """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = mC``) and derives
         each entry's row index and conversation. Every rank's ``L`` and ``chunks`` (``W`` tuples
-        of ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree."""
+        of ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree.
+        """
         local = position_ids.shape[1]
         device = position_ids.device
         chunk_of = torch.tensor(chunks, device=device)  # (W, m)
@@ -73,7 +75,8 @@ class RowLayout:
 
     def mask_mod(self, window: int | None):
         """The rule ``(b, h, q, k) -> bool`` on local query and gather key indices, elementwise on
-        broadcast indices: flex attention's ``mask_mod`` and the dense mask alike."""
+        broadcast indices: flex attention's ``mask_mod`` and the dense mask alike.
+        """
         rows, documents = self.rows, self.documents
         queries, query_documents = self.queries, self.query_documents
 
@@ -100,7 +103,9 @@ class RowLayout:
                 )
             else:  # each query sees itself: no row is empty
                 self.masks[window] = mask_mod(
-                    None, None, torch.arange(local, device=device)[:, None],
+                    None,
+                    None,
+                    torch.arange(local, device=device)[:, None],
                     torch.arange(total, device=device)[None, :],
                 )
         return self.masks[window]
