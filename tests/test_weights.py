@@ -282,12 +282,12 @@ def test_shard_batch_ranks_add_up(backend_case, world_size, weighted):
     # the whole batch itself against the independent per-sequence loop
     assert_close(whole, packed_weighted_sum(table, batch)[0], dtype)
 
-    size = ids.numel() // (2 * world_size)
     total = 0.0
     for rank in range(world_size):
         shard = shard_batch(batch, rank, world_size)
-        local = torch.cat((torch.arange(rank * size, (rank + 1) * size),
-                           torch.arange((2 * world_size - 1 - rank) * size, (2 * world_size - rank) * size)))
+        chunks = shard["context_parallel_shard"].chunks  # dealt out by attention work
+        size = ids.numel() // (len(chunks) * len(chunks[0]))
+        local = torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks[rank]])
         assert torch.equal(shard["input_ids"][0], ids[local])
         logits = table[shard["input_ids"][0]].to(device=device, dtype=dtype)[None].requires_grad_()
         part = packed_ce.cross_entropy(
