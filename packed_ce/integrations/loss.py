@@ -74,7 +74,7 @@ class PackedCausalLMLoss:
             backend=backend,
             validate=validate,
         )
-        self.calls = 0  # model calls that computed their loss here (the fused one included)
+        self.calls = 0  # calls of this loss function: the packed forward checks its model made one
         self.token_stats: TokenStats | None = None
         self.seq_losses: SequenceLosses | None = None
 

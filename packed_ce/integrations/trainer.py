@@ -278,6 +278,9 @@ class PackedNormaliserMixin:
                 self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
             )
             loss = loss + coef * aux / steps
+        # the sums are scaled by the step's count; under context parallelism the model divides it
+        # by the group's size first, so both sums come out that many times larger: only their
+        # ratios (loss/<source>, eval_loss) are reported
         if want_sources:
             scale = 1.0 if num_items_in_batch is None else num_items_in_batch
             sums = sequence_sums(packed_loss.take_seq_losses(), sources, self._sources, scale)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -154,7 +155,22 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
 
 # What a rank's call may lack, gathered so that every rank raises the same error.
 _OK, _NOT_A_SHARD, _BAD_POSITIONS, _NO_SHIFT_LABELS, _NO_NUM_ITEMS = range(5)
-_COLUMNS = 8  # problem, length, shard's world size, shard's rank, row checksum, labels, mass, n
+
+
+class _Facts(NamedTuple):
+    """What one rank holds, as the all-gather carries it (six int64, then two float64)."""
+
+    problem: int
+    length: int  # L, the local tokens
+    shard_world: int
+    shard_rank: int
+    checksum: int
+    labels: int  # 1 for a call with labels
+    mass: float  # the local share of the row's normaliser
+    count: float  # num_items_in_batch as given
+
+
+_COLUMNS = len(_Facts._fields)
 
 
 def prepare_call(model: nn.Module, kwargs: dict) -> dict:
@@ -203,8 +219,10 @@ def prepare_call(model: nn.Module, kwargs: dict) -> dict:
     return kwargs
 
 
-def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOptions) -> list:
-    """What each rank of the group holds, as a ``(W, _COLUMNS)`` table, the same on every rank."""
+def _gather_facts(
+    state: ContextParallel, record, kwargs: dict, options: LossOptions
+) -> list[_Facts]:
+    """What each rank of the group holds, the same list on every rank."""
     position_ids, labels = kwargs.get(POSITION_IDS), kwargs.get(LABELS)
     tokens = kwargs.get(INPUT_IDS)
     reference = position_ids if position_ids is not None else tokens
@@ -250,12 +268,13 @@ def _gather_facts(state: ContextParallel, record, kwargs: dict, options: LossOpt
     dist.all_gather_into_tensor(table, mine, group=state.group)
     table = table.reshape(state.world_size, _COLUMNS).cpu()
     floats = table[:, 6:].contiguous().view(torch.float64)
-    return [row[:6] + floats_row for row, floats_row in zip(table[:, :6].tolist(), floats.tolist())]
+    return [_Facts(*ints, *reals) for ints, reals in zip(table[:, :6].tolist(), floats.tolist())]
 
 
-def _check_facts(table: list, world: int) -> None:
+def _check_facts(table: list[_Facts], world: int) -> None:
     """Raises the first problem of any rank: the same error on every rank."""
-    for rank, (problem, *_) in enumerate(table):
+    for rank, facts in enumerate(table):
+        problem = facts.problem
         if problem == _NOT_A_SHARD:
             raise ValueError(
                 f"context parallelism is enabled on this model for {world} ranks, but rank {rank} "
@@ -279,32 +298,32 @@ def _check_facts(table: list, world: int) -> None:
                 "rank's loss is its share of the row's, so pass num_items_in_batch="
                 "count_num_items(batch) of the whole batch (summed over all processes, the default)"
             )
-    for rank, (_, _, shard_world, shard_rank, *_) in enumerate(table):
-        if shard_world != world or shard_rank != rank:
+    for rank, facts in enumerate(table):
+        if facts.shard_world != world or facts.shard_rank != rank:
             raise ValueError(
                 f"rank {rank} of the context-parallel group holds the shard cut for rank "
-                f"{shard_rank} of {shard_world}: shard with collators.shard_batch(batch, "
-                f"torch.distributed.get_rank(group), {world})"
+                f"{facts.shard_rank} of {facts.shard_world}: shard with collators.shard_batch("
+                f"batch, torch.distributed.get_rank(group), {world})"
             )
-    lengths = [row[1] for row in table]
+    lengths = [facts.length for facts in table]
     if len(set(lengths)) > 1:
         raise ValueError(
             f"the ranks' shards have different lengths {lengths}: the ranks of a context-parallel "
             f"group must shard the same packed row (collate it with PackedCollator("
             f"pad_to_multiple_of=2 * {world}) and give every rank of the group the same batch)"
         )
-    if len({row[4] for row in table}) > 1:
+    if len({facts.checksum for facts in table}) > 1:
         raise ValueError(
             "the ranks of the context-parallel group sharded different rows: every rank of a group "
             "must shard the same batch (a data-parallel sampler gives each rank its own: use one "
             "that gives the ranks of a group the same)"
         )
-    mass = sum(row[6] for row in table)
-    for rank, row in enumerate(table):
-        if row[5] and row[7] < world * mass * (1 - 1e-9):
+    mass = sum(facts.mass for facts in table)
+    for rank, facts in enumerate(table):
+        if facts.labels and facts.count < world * mass * (1 - 1e-9):
             raise ValueError(
-                f"rank {rank} passed num_items_in_batch={row[7]:g}, less than {world} times this "
-                f"row's own normaliser ({mass:g}): count it with count_num_items(batch) of the "
-                "whole batch, summed over all processes (the default): each of the group's "
+                f"rank {rank} passed num_items_in_batch={facts.count:g}, less than {world} times "
+                f"this row's own normaliser ({mass:g}): count it with count_num_items(batch) of "
+                "the whole batch, summed over all processes (the default): each of the group's "
                 f"{world} ranks counts the row it shards, and the model divides by {world}"
             )
