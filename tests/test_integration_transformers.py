@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import math
 import os
+import pickle
 
 import pytest
 import torch
@@ -251,6 +253,43 @@ def test_remove_restores_the_model_exactly():
     model.loss_function = custom
     remove_packed_loss(apply_packed_loss(model))
     assert model.loss_function is custom
+
+
+def pickled(model):
+    return pickle.loads(pickle.dumps(model))
+
+
+def saved(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+@pytest.mark.parametrize("duplicate", [copy.deepcopy, pickled, saved], ids=["deepcopy", "pickle", "torch.save"])
+def test_a_copy_of_a_patched_model_has_the_packed_loss(fused, duplicate):
+    """EMA and reference models are copies: a copy of a patched model gives the packed loss and
+    gradients of the original, trains its own weights, and ``remove_packed_loss`` gives it back
+    transformers' own loss."""
+    batch = PackedCollator()(synthetic_conversations([12, 30, 7, 19], 96))
+    model = tiny_model("llama", 96)
+    plain_loss = model(**batch, use_cache=False).loss  # transformers' token mean over the row
+    apply_packed_loss(model, fused_linear=fused)
+    expected_loss, expected_grads = loss_and_gradients(model, model_loss(batch))
+    twin = duplicate(model)
+    assert twin._packed_ce.forward.model is twin and twin.forward is twin._packed_ce.forward
+    actual_loss, actual_grads = loss_and_gradients(twin, model_loss(batch))
+    assert_loss_close(actual_loss, expected_loss)
+    assert_gradients_close(actual_grads, expected_grads, rtol=1e-6)
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.zero_()  # uniform logits: every token loss is log V
+    assert_loss_close(twin(**batch).loss, torch.tensor(math.log(96)))
+    assert_loss_close(model(**batch).loss, expected_loss)
+    remove_packed_loss(twin)
+    assert "forward" not in twin.__dict__ and packed_loss_of(twin) is None
+    remove_packed_loss(model)
+    assert_loss_close(model(**batch, use_cache=False).loss, plain_loss)
 
 
 def test_unknown_option_and_unfusable_head():

@@ -8,7 +8,7 @@ base model's ``forward`` directly (``self.model.forward(...)``), past the hooks 
 
 from __future__ import annotations
 
-import functools
+import inspect
 import threading
 from typing import Callable
 
@@ -166,43 +166,51 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     return output if return_dict is not False else output.to_tuple()
 
 
-def make_forward(model: nn.Module) -> Callable:
+class PackedForward:
     """``model``'s forward on a checked call, with the signature of its own forward; the loss from
     the hidden states where fused.
 
     The call is made exact or refused (:func:`prepare_call` for context parallelism, then
     :func:`checked_call`; the first packed call of each attention implementation also by
-    :func:`start_audit`). Fused, training, with ``labels``: the
-    decoder runs and the loss comes from :func:`packed_ce.fused_linear_cross_entropy` on its
-    ``(B, T, H)`` hidden states and ``lm_head`` (soft-capped by ``final_logit_softcapping``),
-    ``logits=None``; else the model's own forward. Looked up at call time, so a
-    ``copy.deepcopy`` uses its own modules.
+    :func:`start_audit`). Fused, training, with ``labels``: the decoder runs and the loss comes
+    from :func:`packed_ce.fused_linear_cross_entropy` on its ``(B, T, H)`` hidden states and
+    ``lm_head`` (soft-capped by ``final_logit_softcapping``), ``logits=None``; else the model's own
+    forward.
+
+    An object holding its model rather than a closure, so that ``copy.deepcopy`` and ``pickle`` of
+    the model (EMA and reference models, ``torch.save``) give a model whose forward is its own:
+    everything is looked up on ``self.model`` at call time.
     """
 
-    # wraps: inspect.signature(model.forward) keeps the original parameters, which the Trainer
-    # reads to decide which data set columns to keep and whether the model takes loss keywords.
-    @functools.wraps(type(model).forward)
-    def forward(self, *args, **kwargs):
-        installation = self._packed_ce
-        kwargs = checked_call(args, prepare_call(self, kwargs))
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # the model's own parameters, which the Trainer reads to decide which data set columns to
+        # keep and whether the model takes loss keywords
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
+        installation = model._packed_ce
+        kwargs = checked_call(args, prepare_call(model, kwargs))
         labels = kwargs.get(LABELS)
         fused = installation.fused_options is not None
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            with start_audit(self, installation, args, kwargs):
-                if fused and not args and labels is not None and self.training:
-                    return _fused_linear_forward(self, installation, kwargs)
+            with start_audit(model, installation, args, kwargs):
+                if fused and not args and labels is not None and model.training:
+                    return _fused_linear_forward(model, installation, kwargs)
                 calls = installation.loss.calls
-                output = _own_forward(self, installation)(*args, **kwargs)
+                output = _own_forward(model, installation)(*args, **kwargs)
         finally:
             _running.depth -= 1
         if labels is not None and installation.loss.calls == calls:
             raise ValueError(
-                f"{type(self).__name__} (model_type={self.config.model_type!r}) computed its loss "
-                "without calling its loss_function, so apply_packed_loss cannot change it: compute "
-                "the loss from its logits with packed_ce.cross_entropy(..., is_packed=True, "
-                "shift=True) and call it without labels"
+                f"{type(model).__name__} (model_type={model.config.model_type!r}) computed its "
+                "loss without calling its loss_function, so apply_packed_loss cannot change it: "
+                "compute the loss from its logits with packed_ce.cross_entropy(..., "
+                "is_packed=True, shift=True) and call it without labels"
             )
         return output
-
-    return forward.__get__(model)

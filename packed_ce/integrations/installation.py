@@ -6,6 +6,7 @@ wrappers.
 
 from __future__ import annotations
 
+import enum
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -15,8 +16,17 @@ from torch import nn
 
 from .loss import PackedCausalLMLoss
 
-# What Installation records for an attribute the model did not have in its own __dict__.
-MISSING = object()
+
+class _Missing(enum.Enum):
+    """What Installation records for an attribute the model did not have in its own __dict__: an
+    enum member, so that ``copy.deepcopy`` and ``pickle`` of a model keep it the same object (a
+    plain ``object()`` sentinel became another one in the copy, which then called it).
+    """
+
+    MISSING = "missing"
+
+
+MISSING = _Missing.MISSING
 
 
 @dataclass

@@ -17,7 +17,7 @@ import functools
 from torch import nn
 
 from ..options import ChunkOptions
-from .forward import fusable_reason, make_forward, refuse_bypass
+from .forward import PackedForward, fusable_reason, refuse_bypass
 from .installation import MISSING, Installation, base_model
 from .loss import PackedCausalLMLoss
 
@@ -94,7 +94,7 @@ def apply_packed_loss(
     installation = Installation(
         loss=loss,
         fused_options=vars(chunk_options).copy() if fused_linear else None,
-        forward=make_forward(target),
+        forward=PackedForward(target),
         previous_loss_function=target.__dict__.get("_loss_function", MISSING),
         previous_forward=target.__dict__.get("forward", MISSING),
     )
