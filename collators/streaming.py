@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -29,6 +30,26 @@ from .planning import (
     plan_rows,
     row_metadata,
 )
+
+
+def renamed_max_length(max_length, max_tokens, where: str):
+    """``max_length``, or ``max_tokens`` (its former name in ``pack_stream`` and
+    ``PackedIterableDataset``) with a ``FutureWarning``; a TypeError for both or neither.
+    """
+    if max_tokens is None:
+        if max_length is None:
+            raise TypeError(f"{where} needs `max_length`, the row capacity in tokens.")
+        return max_length
+    if max_length is not None:
+        raise TypeError(f"{where}: pass `max_length` only (`max_tokens` is its former name).")
+    warnings.warn(
+        f"{where}(max_tokens=...) is renamed max_length (the name pack_dataset uses); "
+        "max_tokens will be removed",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return max_tokens
+
 
 # ``pack_dataset``'s window on a ``datasets.IterableDataset``, in conversations: at a mean of 500
 # tokens about 8M tokens, +0.15 GiB held, 0.07% more rows than packing the whole data set
@@ -61,7 +82,7 @@ class Window:
 
 def pack_windows(
     examples: Iterable[Mapping],
-    max_tokens: int,
+    max_length: int,
     overflow: Overflow,
     buffer_size: int,
     ignore_index: int,
@@ -97,11 +118,11 @@ def pack_windows(
         buffer.add(input_ids, labels, values)
         if len(buffer.ends) == buffer_size:
             yield _pack_window(
-                buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats
+                buffer, list(carried.values()), max_length, overflow, ignore_index, stats
             )
     if buffer.ends:
         yield _pack_window(
-            buffer, list(carried.values()), max_tokens, overflow, ignore_index, stats
+            buffer, list(carried.values()), max_length, overflow, ignore_index, stats
         )
     stats.log()
 
@@ -149,7 +170,7 @@ class _Buffer:
 def _pack_window(
     buffer: _Buffer,
     carried: list[SequenceColumn],
-    max_tokens: int,
+    max_length: int,
     overflow: Overflow,
     ignore_index: int,
     stats: PackingStats,
@@ -157,10 +178,10 @@ def _pack_window(
     """The rows of the conversations in ``buffer``, which it empties."""
     ends = np.array(buffer.ends, dtype=np.int64)
     lengths = np.diff(ends, prepend=0)
-    kept = cut_to_capacity(lengths, max_tokens, overflow, stats)
+    kept = cut_to_capacity(lengths, max_length, overflow, stats)
     targets = targets_per_sequence(buffer.labels[: ends[-1]], lengths, ignore_index, counted=kept)
     stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
-    plan = plan_rows(kept, max_tokens, overflow == "split", stats)
+    plan = plan_rows(kept, max_length, overflow == "split", stats)
     first = (ends - lengths)[plan.source] + plan.offset
     pieces = list(zip(first.tolist(), (first + plan.length).tolist()))
     input_ids, labels = (
@@ -186,14 +207,15 @@ def _pack_window(
 
 def pack_stream(
     examples: Iterable[Mapping],
-    max_tokens: int,
+    max_length: int | None = None,
     *,
     overflow: Overflow = "truncate",
     buffer_size: int = 1024,
     ignore_index: int = IGNORE_INDEX,
     stats: PackingStats | None = None,
+    max_tokens: int | None = None,
 ) -> Iterator[dict[str, list]]:
-    """Pack tokenized conversations on the fly into rows of at most ``max_tokens`` tokens.
+    """Pack tokenized conversations on the fly into rows of at most ``max_length`` tokens.
 
     Each ``buffer_size`` conversations are packed with best-fit-decreasing (bounded memory; a larger
     buffer packs tighter); over-long ones as in ``pack_dataset``, counted in ``stats`` and logged at
@@ -205,11 +227,12 @@ def pack_stream(
             ``pack_dataset`` (``weight`` as ``seq_weights``, ``source`` as ``seq_sources``, ``name``
             as ``seq_<name>``; one value per conversation), and every example has the first one's
             keys.
-        max_tokens: row capacity in tokens (at least 2 with ``overflow="split"``).
+        max_length: row capacity in tokens (at least 2 with ``overflow="split"``).
         overflow: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"``.
         buffer_size: conversations packed together.
         ignore_index: the label of untrained tokens (default: -100).
         stats: updated in place as the stream is read.
+        max_tokens: the former name of ``max_length`` (a ``FutureWarning``).
 
     Yields:
         a row in the layout of ``pack_dataset``, lists of Python values.
@@ -218,18 +241,20 @@ def pack_stream(
         >>> from collators import pack_stream
         >>> conversations = ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10])
         >>> stream = ({"input_ids": ids, "labels": ids} for ids in conversations)
-        >>> [row["seq_lengths"] for row in pack_stream(stream, max_tokens=6)]
+        >>> [row["seq_lengths"] for row in pack_stream(stream, max_length=6)]
         [[5], [3, 2]]
         >>> stream = ({"input_ids": ids, "labels": ids} for ids in conversations)
-        >>> [row["input_ids"] for row in pack_stream(stream, max_tokens=3, overflow="split")]
+        >>> [row["input_ids"] for row in pack_stream(stream, max_length=3, overflow="split")]
         [[1, 2, 3], [4, 5, 6], [6, 7, 8], [9, 10]]
     """
     # Checked here, at the call, not at the first row a generator would reach.
-    max_tokens = check_packing_options(max_tokens, overflow, "max_tokens")
+    max_length = check_packing_options(
+        renamed_max_length(max_length, max_tokens, "pack_stream"), overflow, "max_length"
+    )
     buffer_size = positive_int(buffer_size, "buffer_size")
     if stats is None:
-        stats = PackingStats(max_length=max_tokens)
-    return _rows(pack_windows(examples, max_tokens, overflow, buffer_size, ignore_index, stats))
+        stats = PackingStats(max_length=max_length)
+    return _rows(pack_windows(examples, max_length, overflow, buffer_size, ignore_index, stats))
 
 
 def _rows(windows: Iterator[Window]) -> Iterator[dict[str, list]]:
@@ -359,15 +384,16 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
 
     Args:
         source: conversations with ``input_ids`` and ``labels``.
-        max_tokens: row capacity in tokens.
+        max_length: row capacity in tokens.
         overflow: as in ``pack_stream`` (``"split"`` included).
         buffer_size: as in ``pack_stream``.
+        max_tokens: the former name of ``max_length`` (a ``FutureWarning``).
 
     Example:
         >>> from torch.utils.data import DataLoader
         >>> from collators import PackedCollator, PackedIterableDataset
         >>> source = [{"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5])]
-        >>> dataset = PackedIterableDataset(source, max_tokens=8)
+        >>> dataset = PackedIterableDataset(source, max_length=8)
         >>> loader = DataLoader(dataset, batch_size=1, collate_fn=PackedCollator())
         >>> batch = next(iter(loader))
         >>> batch["input_ids"], batch["cu_seqlens"]
@@ -377,20 +403,22 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     def __init__(
         self,
         source: Iterable[Mapping],
-        max_tokens: int,
+        max_length: int | None = None,
         *,
         overflow: Overflow = "truncate",
         buffer_size: int = 1024,
+        max_tokens: int | None = None,
     ):
         self.source = source
-        self.max_tokens = check_packing_options(max_tokens, overflow, "max_tokens")
+        max_length = renamed_max_length(max_length, max_tokens, "PackedIterableDataset")
+        self.max_length = check_packing_options(max_length, overflow, "max_length")
         positive_int(buffer_size, "buffer_size")
         self.overflow = overflow
         self.buffer_size = buffer_size
-        self.stats = PackingStats(max_length=max_tokens)
+        self.stats = PackingStats(max_length=max_length)
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
-        self.stats = PackingStats(max_length=self.max_tokens)
+        self.stats = PackingStats(max_length=self.max_length)
         source = self.source
         worker = torch.utils.data.get_worker_info()
         if worker is not None and not isinstance(source, torch.utils.data.IterableDataset):
@@ -398,7 +426,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             source = itertools.islice(source, worker.id, None, worker.num_workers)
         return pack_stream(
             source,
-            self.max_tokens,
+            self.max_length,
             overflow=self.overflow,
             buffer_size=self.buffer_size,
             stats=self.stats,

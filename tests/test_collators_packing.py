@@ -187,7 +187,7 @@ def test_pack_stream_accounts_for_every_token():
 
 def test_packed_iterable_dataset_in_dataloader():
     dataset = make_dataset([5, 12, 3, 8, 8, 1, 7])
-    stream = PackedIterableDataset(dataset, max_tokens=16, buffer_size=8)
+    stream = PackedIterableDataset(dataset, max_length=16, buffer_size=8)
     batches = list(DataLoader(stream, batch_size=2, collate_fn=PackedCollator()))
     tokens = sorted(t for batch in batches for t in batch["input_ids"][0].tolist())
     assert tokens == sorted(t for ids in dataset["input_ids"] for t in ids)
@@ -198,7 +198,18 @@ def test_packed_iterable_dataset_in_dataloader():
 def test_packed_iterable_dataset_splits_a_plain_source_between_workers():
     dataset = make_dataset(np.random.default_rng(4).integers(1, 20, 60).tolist())
     source = [dict(row) for row in dataset]
-    loader = DataLoader(PackedIterableDataset(source, max_tokens=32, buffer_size=8), batch_size=1,
+    loader = DataLoader(PackedIterableDataset(source, max_length=32, buffer_size=8), batch_size=1,
                         collate_fn=PackedCollator(), num_workers=2)
     tokens = sorted(t for batch in loader for t in batch["input_ids"][0].tolist())
     assert tokens == sorted(t for ids in dataset["input_ids"] for t in ids)
+
+
+def test_max_tokens_is_the_former_name_of_max_length():
+    """``pack_stream`` and ``PackedIterableDataset`` name the row capacity as ``pack_dataset``
+    does; the former name still packs the same rows, with a FutureWarning."""
+    source = [{"input_ids": ids, "labels": ids} for ids in ([1, 2, 3], [4, 5, 6, 7, 8], [9, 10])]
+    with pytest.warns(FutureWarning, match="renamed max_length"):
+        old = list(pack_stream(source, max_tokens=6))
+    assert old == list(pack_stream(source, max_length=6))
+    with pytest.warns(FutureWarning, match="renamed max_length"):
+        assert list(PackedIterableDataset(source, max_tokens=6)) == old
