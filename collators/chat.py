@@ -133,27 +133,29 @@ def tokenize_dataset(
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
     ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
     fingerprint, the tokenizer, its chat template, ``max_length``, the other options and the
-    labelling's version.
+    labelling's version. A ``datasets.IterableDataset`` (a streamed data set) is tokenized as it
+    is read, with no cache: ``collators.pack_dataset`` or ``pack_stream`` packs it then.
 
     Args:
-        dataset: a ``datasets.Dataset`` with a column of conversations in the ``messages`` format.
+        dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset`` with a column of
+            conversations in the ``messages`` format.
         tokenizer: any ``transformers.PreTrainedTokenizerBase`` with a chat template.
         max_length: keep the first ``max_length`` tokens (unset when packing: ``pack_dataset``
             counts over-long conversations itself).
         messages_column: the column of conversations.
-        skip_no_assistant: drop (and count in a warning) or, with ``False``, refuse conversations
-            without an assistant turn.
-        num_proc: processes for ``datasets.Dataset.map``.
+        skip_no_assistant: drop (and count in a warning; for a stream, one per batch that drops
+            some) or, with ``False``, refuse conversations without an assistant turn.
+        num_proc: processes for ``datasets.Dataset.map`` (not for a stream).
         cache_file_name: where to write the tokens (``datasets.Dataset.map``'s argument); a file
-            written for other inputs is written anew.
+            written for other inputs is written anew (not for a stream).
         load_from_cache_file: reuse tokens written for the same inputs (default: unless caching is
-            disabled in ``datasets``).
+            disabled in ``datasets``; not for a stream).
         **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``,
             ``ignore_index``, template variables).
 
     Returns:
-        ``datasets.Dataset`` with ``input_ids`` and ``labels`` in place of ``messages_column``,
-        other columns kept, one row per kept conversation, in order.
+        a data set of ``dataset``'s kind with ``input_ids`` and ``labels`` in place of
+        ``messages_column``, other columns kept, one row per kept conversation, in order.
 
     Example:
         >>> from datasets import Dataset
@@ -171,13 +173,25 @@ def tokenize_dataset(
 
     if max_length is not None:
         positive_int(max_length, "max_length")
-    if not isinstance(dataset, datasets.Dataset):
-        raise TypeError(f"`dataset` must be a datasets.Dataset, got {type(dataset).__name__}.")
-    if messages_column not in dataset.column_names:
+    stream = isinstance(dataset, datasets.IterableDataset)
+    if not stream and not isinstance(dataset, datasets.Dataset):
+        raise TypeError(
+            "`dataset` must be a datasets.Dataset or datasets.IterableDataset, got "
+            f"{type(dataset).__name__}."
+        )
+    if stream:
+        given = {"num_proc": num_proc, "cache_file_name": cache_file_name}
+        given["load_from_cache_file"] = load_from_cache_file
+        for option in (name for name, value in given.items() if value is not None):
+            raise ValueError(
+                f"`{option}` is for a datasets.Dataset: a datasets.IterableDataset is tokenized as "
+                "it is read, with no processes or cache of its own; leave it out."
+            )
+    if dataset.column_names is not None and messages_column not in dataset.column_names:
         raise ValueError(
             f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}."
         )
-    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in dataset.column_names]
+    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in (dataset.column_names or [])]
     if taken:
         raise ValueError(
             f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove "
@@ -197,8 +211,19 @@ def tokenize_dataset(
             out["_kept"].append(example is not None)
             out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
             out[LABELS].append(example[LABELS] if example else [])
+        skipped = out["_kept"].count(False)
+        if stream and skipped:  # a stream's total is never known: each batch says what it drops
+            logger.warning(
+                "Skipped %d of %d streamed conversations that have no assistant turn.",
+                skipped,
+                len(out["_kept"]),
+            )
         return out
 
+    if stream:
+        tokenized = dataset.map(tokenize_batch, batched=True, remove_columns=[messages_column])
+        kept = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
+        return kept.remove_columns("_kept")
     # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
     template = kwargs.get("chat_template") or getattr(tokenizer, "chat_template", None)
     key = Hasher.hash(

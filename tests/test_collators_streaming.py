@@ -106,3 +106,29 @@ def test_values_beyond_int32_are_kept():
         rows = list(pack_stream(records, 4, overflow="split", buffer_size=10, ignore_index=ignore_index))
         assert {key: [row[key] for row in rows] for key in expected} == expected
     assert any(wide in row["labels"] for row in rows)
+
+
+def test_a_stream_is_tokenized_as_it_is_read(caplog):
+    """``tokenize_dataset`` on a ``datasets.IterableDataset``: the rows ``tokenize_dataset`` gives the
+    same conversations in memory, other columns kept, a conversation without an assistant turn
+    skipped with a warning; the options of a cache refused by name."""
+    from collators import load_default_tokenizer, tokenize_dataset
+
+    tokenizer = load_default_tokenizer()
+    turns = [[{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+             for i in range(5)]
+    turns[3] = [{"role": "user", "content": "no answer"}]
+    data = Dataset.from_dict({"messages": turns, "weight": [1.0, 2.0, 0.5, 3.0, 1.5]})
+    expected = list(tokenize_dataset(data, tokenizer))
+    with caplog.at_level("WARNING", logger="collators.chat"):
+        streamed = tokenize_dataset(data.to_iterable_dataset(), tokenizer)
+        assert isinstance(streamed, IterableDataset)
+        rows = list(streamed)
+    assert [{key: row[key] for key in expected[0]} for row in rows] == expected
+    assert [row["weight"] for row in rows] == [1.0, 2.0, 0.5, 1.5]
+    assert "Skipped 1 of 5 streamed conversations that have no assistant turn" in caplog.text
+    packed = pack_dataset(tokenize_dataset(data.to_iterable_dataset(), tokenizer), 512)
+    assert sum(len(lengths) for lengths in packed["seq_lengths"]) == 4
+    for option in ("num_proc", "cache_file_name"):
+        with pytest.raises(ValueError, match=f"`{option}` is for a datasets.Dataset"):
+            tokenize_dataset(data.to_iterable_dataset(), tokenizer, **{option: 2 if option == "num_proc" else "x"})
