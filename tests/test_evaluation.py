@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from packed_ce.integrations import tiny_causal_lm
+
 from integration_utils import (
     free_port,
     one_at_a_time,
@@ -44,6 +46,8 @@ LAYOUTS = [
     ("PackedSFTTrainer", "padding_free"),
     ("PackedSFTTrainer", "packing"),
     ("PackedSFTTrainer", "padded"),
+    ("PackedSFTTrainer", "packed_rows"),  # rows of pack_dataset, packing=True: used as they are
+    ("PackedSFTTrainer", "packed_rows_padding_free"),  # the same rows, packing=False
 ]
 # on two processes: one layout of each kind, copies in a packed row and in rows
 TWO_PROCESS_LAYOUTS = [LAYOUTS[0], LAYOUTS[2], LAYOUTS[3], LAYOUTS[5]]
@@ -54,12 +58,21 @@ def conversations() -> list[dict]:
     return [{**c, "weight": w, "source": s} for c, w, s in zip(rows, WEIGHTS, SOURCES)]
 
 
-def build_trainer(trainer_name: str, layout: str, out_dir: str, keywords=None, **fields):
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1, output_router_logits=True)
+
+
+def eval_model(arch: str):
+    if arch == "mixtral":
+        return tiny_causal_lm(VOCAB, model_type="mixtral", **MOE)
+    return tiny_model(arch, VOCAB)
+
+
+def build_trainer(trainer_name: str, layout: str, out_dir: str, keywords=None, arch="llama", **fields):
     """A trainer of the untrained tiny model whose eval set is :func:`conversations` in
     ``layout``; ``keywords`` for the trainer, ``fields`` for its arguments."""
     keywords = keywords or {}
     data = Dataset.from_list(conversations())
-    model = tiny_model("llama", VOCAB)
+    model = eval_model(arch)
     common = dict(report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, **fields)
     if trainer_name == "PackedTrainer":
         from transformers import TrainingArguments
@@ -73,14 +86,19 @@ def build_trainer(trainer_name: str, layout: str, out_dir: str, keywords=None, *
         collator = PaddedCollator() if layout == "padded" else PackedCollator()
         return PackedTrainer(model=model, args=TrainingArguments(out_dir, **common), eval_dataset=data,
                              data_collator=collator, **keywords)
+    from collators import pack_dataset
     from packed_ce.integrations import PackedSFTTrainer
 
     options = {
         "padding_free": dict(padding_free=True, max_length=None),
         "packing": dict(packing=True, max_length=32),
         "padded": dict(max_length=None),
+        "packed_rows": dict(packing=True, max_length=32),
+        "packed_rows_padding_free": dict(padding_free=True, max_length=None),
     }[layout]
-    return PackedSFTTrainer(model=model, args=sft_args(out_dir, **options, **common), train_dataset=data,
+    if layout.startswith("packed_rows"):
+        data = pack_dataset(data, max_length=32)
+    return PackedSFTTrainer(model=model, args=sft_args(out_dir, **{**options, **common}), train_dataset=data,
                             eval_dataset=data, processing_class=tiny_tokenizer(VOCAB), **keywords)
 
 
@@ -100,9 +118,10 @@ def evaluated_conversations(dataset) -> list[dict]:
     return found
 
 
-def reference(found: list[dict], prefix: str = "eval") -> dict[str, float]:
-    """``eval_loss`` and ``eval_loss/<source>``: each conversation alone, weighted mean."""
-    model = tiny_model("llama", VOCAB)
+def reference(found: list[dict], prefix: str = "eval", arch: str = "llama") -> dict[str, float]:
+    """``eval_loss`` and ``eval_loss/<source>``: each conversation alone, weighted mean (of the
+    language-model loss: a MoE router's is no conversation's)."""
+    model = eval_model(arch)
     expected = {}
     with torch.no_grad():
         for source in (None, *sorted(set(SOURCES))):
@@ -139,6 +158,25 @@ def test_eval_loss_is_the_per_conversation_mean_at_any_batch_size(trainer_name, 
     trainer = build_trainer(trainer_name, layout, str(tmp_path))
     expected = reference(evaluated_conversations(trainer.eval_dataset))
     assert_matches(evaluate_at_each_batch_size(trainer), expected, f"{trainer_name} {layout}")
+
+
+@pytest.mark.parametrize("trainer_name, layout", [LAYOUTS[0], LAYOUTS[3]], ids=["PackedTrainer", "PackedSFTTrainer"])
+def test_evaluate_before_train_on_a_moe_model(trainer_name, layout, tmp_path):
+    """``evaluate()`` before ``train()`` (stock trl evaluates first) on a MoE model whose router
+    loss is on: the router loss needs no training state."""
+    if trainer_name == "PackedSFTTrainer":
+        pytest.importorskip("trl")
+    trainer = build_trainer(trainer_name, layout, str(tmp_path), arch="mixtral", per_device_eval_batch_size=2)
+    metrics = trainer.evaluate()
+    expected = reference(evaluated_conversations(trainer.eval_dataset), arch="mixtral")
+    assert_matches({2: {k: v for k, v in metrics.items() if k.startswith("eval_loss")}}, expected, "MoE")
+
+
+def test_packed_rows_in_padded_batches_are_refused(tmp_path):
+    """Packed rows padded one per row would let a row's conversations attend to each other."""
+    pytest.importorskip("trl")
+    with pytest.raises(ValueError, match="`train_dataset` holds packed rows .* pass packing=True"):
+        build_trainer("PackedSFTTrainer", "packed_rows_padding_free", str(tmp_path), padding_free=False)
 
 
 def test_predict_reports_test_loss_and_sources(tmp_path):
@@ -225,7 +263,7 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
     from torch.utils.data import BatchSampler, SequentialSampler
 
     from collators.columns import EXAMPLE_TOKENS
-    from packed_ce.integrations.evaluation import EvaluationSums, copies_layout
+    from packed_ce.integrations.copies import copies_layout, without_copies
 
     for world in (2, 3):
         for per_process in (1, 2, 3):
@@ -237,12 +275,12 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
                                                 world, rank, split_batches=split_batches)
                     batches = list(sampler)
                     loader = SimpleNamespace(batch_sampler=sampler, dataset=range(count))
-                    evaluation = EvaluationSums((), copies_layout(loader, world, "test"), "cpu")
+                    layout = copies_layout(loader, world, "test")
                     # DataLoaderShard.begin: length % total batch size
                     remainder = count % (size if split_batches else size * world)
                     last = torch.tensor(batches[-1])
                     batch = {"labels": last[:, None], EXAMPLE_TOKENS: torch.ones(len(last), dtype=torch.int64)}
-                    batch = evaluation.without_copies(batch, remainder, ignore_index=-1)
+                    batch = without_copies(batch, layout, remainder, ignore_index=-1)
                     kept += sum(batches[:-1], []) + batch["labels"][batch["labels"] >= 0].tolist()
                 assert sorted(kept) == list(range(count)), (world, size, count, kept)
 
@@ -254,14 +292,14 @@ def test_eval_set_without_length_over_processes_is_refused():
 
     from accelerate.data_loader import IterableDatasetShard
 
-    from packed_ce.integrations.evaluation import copies_layout
+    from packed_ce.integrations.copies import copies_layout
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(5))
 
     shard = IterableDatasetShard(Stream(), batch_size=2, num_processes=2)
-    with pytest.raises(ValueError, match="without a length: .* pass a data set with a length"):
+    with pytest.raises(ValueError, match="without a length over 2 processes: .* pass a data set with a length"):
         copies_layout(SimpleNamespace(dataset=shard), 2, "PackedTrainer")
     assert copies_layout(SimpleNamespace(dataset=shard), 1, "PackedTrainer") is None
     dropping = IterableDatasetShard(Stream(), batch_size=2, drop_last=True, num_processes=2)

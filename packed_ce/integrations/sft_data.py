@@ -58,6 +58,34 @@ def pack(dataset, max_length: int, strategy: str):
     return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
 
 
+def is_packed(dataset) -> bool:
+    """Whether ``dataset`` holds packed rows (a ``seq_lengths`` column: the rows of
+    :func:`collators.pack_dataset`, :func:`collators.pack_stream` or ``packed-ce pack``).
+    """
+    names = getattr(dataset, "column_names", None)
+    if names is None:  # an IterableDataset may not know its columns before its first row
+        names = list(next(iter(dataset)))
+    return SEQ_LENGTHS in names
+
+
+def packed_rows(dataset, name: str, trainer: str, padding_free: bool):
+    """Rows packed already, as they are: trl's collator restarts ``position_ids`` at every
+    ``seq_lengths`` boundary and :class:`SequenceColumns` carries their per-sequence columns (trl's
+    preparation would retokenise or repack each row as one conversation).
+
+    Raises:
+        ValueError: for padded batches (``padding_free=False`` without ``packing``), which would
+            let a row's conversations attend to each other.
+    """
+    if not padding_free:
+        raise ValueError(
+            f"{trainer}: `{name}` holds packed rows (a seq_lengths column: collators.pack_dataset, "
+            "pack_stream or packed-ce pack), whose conversations a padded batch would let attend "
+            "to each other: pass packing=True (the rows are used as they are) or padding_free=True"
+        )
+    return dataset
+
+
 class SequenceColumns:
     """TRL's collator, plus the per-sequence values of ``SEQUENCE_COLUMNS`` (target counts, weights,
     sources), aligned with the loss.

@@ -131,8 +131,14 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
 
         Without generation markers, ``assistant_only_loss`` data is tokenised by
         :func:`sft_data.assistant_labels` first; with ``packing=True`` the rows come from
-        :func:`sft_data.pack`, which carries ``weight`` and ``source`` to every piece.
+        :func:`sft_data.pack`, which carries ``weight`` and ``source`` to every piece. Rows packed
+        already (``seq_lengths``) are used as they are, under ``packing=True`` or ``False``
+        (:func:`sft_data.packed_rows`).
         """
+        if sft_data.is_packed(dataset):  # rows of collators.pack_dataset, packed-ce pack, ...
+            return sft_data.packed_rows(
+                dataset, f"{name}_dataset", type(self).__name__, self.padding_free
+            )
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
             dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)

@@ -16,6 +16,7 @@ import inspect
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import has_length
 
 from collators.columns import (
     EXAMPLE_TOKENS,
@@ -32,8 +33,9 @@ from ..pending import check_pending
 from .batch import count_num_items
 from .context_parallel import context_parallel_of, enable_context_parallel
 from .context_parallel.install import ContextParallel
+from .copies import CopiesLeftOut, ExampleTokens, Layout, copies_layout, without_copies
 from .data_checks import check_datasets
-from .evaluation import EvaluationSums, ExampleTokens, copies_layout, sequence_sums
+from .evaluation import EvaluationSums, sequence_sums
 from .installation import base_model, installation_of, packed_loss_of
 from .loss import SEQ_LOSSES_KEY
 from .seams import CHECKED, RefuseOtherTrainers
@@ -70,6 +72,8 @@ class PackedNormaliserMixin:
     _sources: tuple[str, ...] = ()
     _source_sums: torch.Tensor | None = None  # sequence_sums of the logging window, on device
     _evaluation: EvaluationSums | None = None  # while an evaluation loop runs
+    _train_copies: Layout | None = None  # where the train loader's last batch holds copies
+    _eval_copies: Layout | None = None  # the same for the evaluation loop's loader
 
     def _check_packed_setup(self) -> None:
         """Raises for a model or a set-up with which the step would not be the packed mean."""
@@ -133,18 +137,51 @@ class PackedNormaliserMixin:
             inputs, state.rank, state.world_size, ignore_index=loss.ignore_index
         )
 
-    def get_eval_dataloader(self, eval_dataset=None):
+    def get_train_dataloader(self):
+        """The Trainer's loader, its batches carrying their examples' token counts (the copies of
+        the last batch are left out of the step, :meth:`get_batch_samples`).
+
+        Raises:
+            ValueError: with ``dataloader_drop_last=True`` where it would drop conversations.
+        """
         with self._counting_example_tokens():
+            loader = super().get_train_dataloader()
+        self._train_copies = copies_layout(loader, self.args.world_size, type(self).__name__)
+        dataset = self.train_dataset
+        if self.args.dataloader_drop_last and has_length(dataset):
+            dropped = len(dataset) % loader.total_batch_size
+            if dropped:
+                raise ValueError(
+                    f"{type(self).__name__}: dataloader_drop_last=True drops the last {dropped} of "
+                    f"the {len(dataset)} rows of train_dataset every epoch (batches of "
+                    f"{loader.total_batch_size} over all processes), and their conversations with "
+                    "them: set dataloader_drop_last=False (the copies accelerate adds to complete "
+                    "the last batch are left out of the step), or give a number of rows that "
+                    "divides"
+                )
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's micro-batches of one step and their count, the copies accelerate adds to
+        an epoch's last batch left out (:mod:`.copies`): each conversation counts once an epoch.
+        """
+        state = self.accelerator.gradient_state
+        ignore_index = packed_loss_of(self.model).ignore_index
+        batches = CopiesLeftOut(epoch_iterator, self._train_copies, state, ignore_index)
+        return super().get_batch_samples(batches, num_batches, device)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._counting_example_tokens(), self._keeping_last_batch():
             return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
-        with self._counting_example_tokens():
+        with self._counting_example_tokens(), self._keeping_last_batch():
             return super().get_test_dataloader(test_dataset)
 
     @contextlib.contextmanager
     def _counting_example_tokens(self):
-        """The data collator wrapped in :class:`ExampleTokens` while an evaluation loader is
-        built (in the batch: a worker process's collator cannot report back otherwise).
+        """The data collator wrapped in :class:`ExampleTokens` while a loader is built (in the
+        batch: a worker process's collator cannot report back otherwise).
         """
         collator = self.data_collator
         self.data_collator = ExampleTokens(collator)
@@ -152,6 +189,18 @@ class PackedNormaliserMixin:
             yield
         finally:
             self.data_collator = collator
+
+    @contextlib.contextmanager
+    def _keeping_last_batch(self):
+        """``dataloader_drop_last`` off while an evaluation loader is built: ``eval_loss`` is over
+        the whole eval set (accelerate's copies are left out instead).
+        """
+        drop_last = self.args.dataloader_drop_last
+        self.args.dataloader_drop_last = False
+        try:
+            yield
+        finally:
+            self.args.dataloader_drop_last = drop_last
 
     def evaluation_loop(
         self,
@@ -167,8 +216,8 @@ class PackedNormaliserMixin:
         name = type(self).__name__
         refuse_prediction_metrics(name, self.compute_metrics, self.preprocess_logits_for_metrics)
         sources = set(self._sources) | set(source_names(getattr(dataloader, "dataset", None)))
-        copies = copies_layout(dataloader, self.args.world_size, name)
-        evaluation = EvaluationSums(tuple(sorted(sources)), copies, self.args.device)
+        self._eval_copies = copies_layout(dataloader, self.args.world_size, name)
+        evaluation = EvaluationSums(tuple(sorted(sources)), self.args.device)
         self._evaluation = evaluation
         try:
             output = super().evaluation_loop(
@@ -199,10 +248,9 @@ class PackedNormaliserMixin:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         evaluation, state = self._evaluation, self.accelerator.gradient_state
-        if evaluation is not None and state.end_of_dataloader:
-            ignore_index = packed_loss_of(self.model).ignore_index
-            inputs = evaluation.without_copies(inputs, state.remainder, ignore_index)
-        inputs.pop(EXAMPLE_TOKENS, None)
+        remainder = state.remainder if evaluation is not None and state.end_of_dataloader else -1
+        ignore_index = packed_loss_of(self.model).ignore_index
+        inputs = without_copies(inputs, self._eval_copies, remainder, ignore_index)
         count = self._get_num_items_in_batch([inputs], self.args.device)
         _, call = self._prepare_context_parallel_inputs(model, inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
@@ -274,9 +322,10 @@ class PackedNormaliserMixin:
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         if coef:
-            steps = (
-                self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
-            )
+            # the Trainer sets current_gradient_accumulation_steps in its training loop only: an
+            # evaluation (before train() too) adds the router loss once
+            accumulated = model.training and num_items_in_batch is not None
+            steps = self.current_gradient_accumulation_steps if accumulated else 1
             loss = loss + coef * aux / steps
         # the sums are scaled by the step's count; under context parallelism the model divides it
         # by the group's size first, so both sums come out that many times larger: only their
