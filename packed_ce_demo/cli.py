@@ -234,6 +234,7 @@ def _run(args) -> int:
             f"dropped     {stats['num_dropped']}\n"
             f"split       {stats['num_split']} (into {stats['num_split_pieces']} pieces)\n"
             f"no targets  {stats['num_without_targets']}\n"
+            f"skipped     {stats['num_skipped_no_assistant']} (no assistant turn)\n"
             f"empty       {stats['num_empty']}\n"
             f"saved to    {stats['output']}"
         )

@@ -236,6 +236,22 @@ def pack_to_disk(
         )
     tok = None if tokenized else load_tokenizer(tokenizer)
     packed, stats = pack(conversations, tok, max_length, overflow=overflow, num_proc=num_proc)
+    # tokenize_dataset skips (and logs) conversations without an assistant turn
+    skipped = len(conversations) - stats.num_conversations
+    trained = stats.num_packed - stats.num_without_targets
+    if trained == 0:
+        raise ValueError(
+            f"`--dataset` {dataset or 'default corpus'!r}: nothing to train, none of its "
+            f"{len(conversations)} conversations has a target ({skipped} without an assistant "
+            f"turn, {stats.num_without_targets} without an assistant token after packing): "
+            "an assistant turn needs the role 'assistant' (rename ShareGPT's 'human' and 'gpt' "
+            "to 'user' and 'assistant'), tokenized data labels other than -100"
+        )
     with progress_unit(" rows"):
         packed.save_to_disk(str(output), num_proc=num_proc)
-    return {**asdict(stats), "efficiency": stats.efficiency, "output": str(output)}
+    return {
+        **asdict(stats),
+        "num_skipped_no_assistant": skipped,
+        "efficiency": stats.efficiency,
+        "output": str(output),
+    }

@@ -90,3 +90,15 @@ def test_progress_bars_count_conversations_and_rows(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Tokenizing: 100%" in err and "4/4" in err and " conversations/s]" in err
     assert "Packing: 100%" in err and " rows/s]" in err
+
+
+def test_statistics_count_the_conversations_skipped_without_an_assistant_turn(tmp_path, capsys):
+    """A conversation without an assistant turn is skipped when tokenizing: counted in the JSON
+    statistics and the text, so the printed counts add up to the data set's."""
+    untrained = {"messages": [{"role": "user", "content": "Anyone?"}], "weight": 1.0, "source": "x"}
+    path = FORMATS["jsonl"](tmp_path, Dataset.from_list(RECORDS + [untrained]))
+    assert main(["pack", "--dataset", str(path), "--output", str(tmp_path / "rows"), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["num_skipped_no_assistant"], stats["num_conversations"], stats["num_packed"]) == (1, 4, 4)
+    assert main(["pack", "--dataset", str(path), "--output", str(tmp_path / "again")]) == 0
+    assert "skipped     1 (no assistant turn)" in capsys.readouterr().out
