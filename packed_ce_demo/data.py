@@ -175,34 +175,45 @@ def load_conversations(dataset: str | None):
     return data, bool(tokens)
 
 
-def split_rows(rows: Sequence[Mapping[str, Sequence[int]]]) -> list[dict[str, list[int]]]:
+def split_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The conversations of packed rows, in order: the inverse of packing.
 
     Args:
-        rows: rows of :func:`collators.pack_dataset` (``input_ids``, ``labels``, ``seq_lengths``).
+        rows: rows of :func:`collators.pack_dataset` (``input_ids``, ``labels``, ``seq_lengths``,
+            and the carried columns: ``seq_weights``, ``seq_sources``, ``seq_<name>``).
 
     Returns:
-        One ``{"input_ids", "labels"}`` dict per conversation.
+        One dict per conversation: ``input_ids``, ``labels`` and its carried values under their
+        data set names (``weight``, ``source``, ``<name>``).
 
     Example:
         >>> row = {"input_ids": [1, 2, 3, 4, 5], "labels": [-100, 2, -100, 4, 5],
-        ...        "seq_lengths": [2, 3]}
+        ...        "seq_lengths": [2, 3], "seq_weights": [1.0, 0.5]}
         >>> for conversation in split_rows([row]):
         ...     print(conversation)
-        {'input_ids': [1, 2], 'labels': [-100, 2]}
-        {'input_ids': [3, 4, 5], 'labels': [-100, 4, 5]}
+        {'input_ids': [1, 2], 'labels': [-100, 2], 'weight': 1.0}
+        {'input_ids': [3, 4, 5], 'labels': [-100, 4, 5], 'weight': 0.5}
     """
+    from collators.columns import SEQ_LENGTHS, SEQ_TARGETS, SEQUENCE_COLUMNS
+
+    names = {column.key: column.column for column in SEQUENCE_COLUMNS}
     conversations = []
     for row in rows:
+        # seq_<name> -> <name>; seq_targets (a split conversation's total) is packing's own
+        carried = {
+            key: names.get(key) or key[len("seq_") :]
+            for key in row
+            if key.startswith("seq_") and key not in (SEQ_LENGTHS, SEQ_TARGETS)
+        }
         start = 0
-        for length in row["seq_lengths"]:
+        for index, length in enumerate(row[SEQ_LENGTHS]):
             end = start + int(length)
-            conversations.append(
-                {
-                    "input_ids": list(row["input_ids"][start:end]),
-                    "labels": list(row["labels"][start:end]),
-                }
-            )
+            conversation = {
+                "input_ids": list(row["input_ids"][start:end]),
+                "labels": list(row["labels"][start:end]),
+            }
+            conversation.update((name, row[key][index]) for key, name in carried.items())
+            conversations.append(conversation)
             start = end
     return conversations
 

@@ -39,9 +39,13 @@ TOLERANCE = 1e-5
 
 
 def per_sequence_mean_loss(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    ignore_index: int = -100,
 ) -> torch.Tensor:
-    """The unpacked reference: each row's mean next-token loss, averaged over rows with a target.
+    """The unpacked reference: each row's mean next-token loss, averaged over rows with a target
+    (weighted: ``sum_r w_r mean_r / sum_r w_r``).
 
     Plain PyTorch, independent of this package: what training one conversation per row and
     averaging per conversation gives.
@@ -49,9 +53,10 @@ def per_sequence_mean_loss(
     Args:
         logits: ``(B, T, V)`` float.
         labels: ``(B, T)`` aligned with the inputs (shifted here); ``ignore_index`` where untrained.
+        weights: ``(B,)`` each row's conversation weight (a ``weight`` column), or None: 1.
 
     Returns:
-        0-d float32 loss; 0 when no row has a target.
+        0-d float32 loss; 0 when no row has a target and a weight > 0.
     """
     targets = labels[:, 1:]
     token_loss = F.cross_entropy(
@@ -60,7 +65,13 @@ def per_sequence_mean_loss(
     counts = (targets != ignore_index).sum(dim=1)
     has_target = counts > 0
     row_means = token_loss.sum(dim=1)[has_target] / counts[has_target]
-    return row_means.mean() if row_means.numel() else token_loss.sum() * 0.0
+    if weights is None:
+        weights = torch.ones_like(row_means)
+    else:
+        weights = weights.to(row_means)[has_target]
+    if not bool((weights > 0).any()):
+        return token_loss.sum() * 0.0
+    return (row_means * weights).sum() / weights.sum()
 
 
 @dataclass
@@ -133,7 +144,8 @@ def padded_loss(model, batch):
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
     ).logits
-    return per_sequence_mean_loss(logits, batch["labels"])
+    # seq_weights: one per row, float64, from each conversation's weight column (if any)
+    return per_sequence_mean_loss(logits, batch["labels"], batch.get("seq_weights"))
 
 
 # name, description, the layout it trains on, its loss, whether packed_ce's loss is installed

@@ -39,7 +39,8 @@ def test_demo_prints_the_table_and_writes_the_report(tmp_path, capsys):
 
 
 def test_demo_options_local_data_and_model_config(tmp_path, capsys):
-    """--dataset (local JSONL), --model-config (JSON), --seed, --device: a Qwen2 on ten conversations."""
+    """--dataset (local JSONL with a weight column: the padded baseline weighs conversations as the
+    packed run does), --model-config (JSON), --seed, --device: a Qwen2 on ten conversations."""
     data = tmp_path / "chats.jsonl"
     with data.open("w") as handle:
         for i in range(10):
@@ -49,7 +50,7 @@ def test_demo_options_local_data_and_model_config(tmp_path, capsys):
                 {"role": "user", "content": "Thanks!"},
                 {"role": "assistant", "content": "You are welcome."},
             ]
-            handle.write(json.dumps({"messages": messages}) + "\n")
+            handle.write(json.dumps({"messages": messages, "weight": [0.5, 2.0, 0.0, 1.0, 3.0][i % 5]}) + "\n")
     config = tmp_path / "model.json"
     config.write_text(
         json.dumps({"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64})
@@ -62,7 +63,7 @@ def test_demo_options_local_data_and_model_config(tmp_path, capsys):
             "--model-config",
             str(config),
             "--max-length",
-            "96",
+            "256",  # several conversations of different weights in a row
             "--steps",
             "2",
             "--rows-per-step",
