@@ -149,8 +149,13 @@ def test_private_seams_exist_in_the_installed_versions(tmp_path):
     assert isinstance(trainer, trl.SFTTrainer)
     model = tiny_model("llama", 64)
     model.loss_function = model.loss_function  # the property's setter stores the instance's own
+    from accelerate import Accelerator
+
+    # accelerate's mark lives on the model it prepared (in evaluation mode, as evaluate() does)
+    prepared = Accelerator(cpu=True).prepare_model(torch.nn.Linear(1, 1), evaluation_mode=True)
     instances = {"SFTTrainer": trainer, "Trainer": trainer, "PreTrainedModel": model,
-                 "PretrainedConfig": model.config, "Dataset": Dataset.from_dict({"a": [1]})}  # fmt: skip
+                 "PretrainedConfig": model.config, "Dataset": Dataset.from_dict({"a": [1]}),
+                 "Accelerator": prepared}  # fmt: skip
     for seam in PRIVATE_SEAMS:
         module, _, attribute = seam.owner.rpartition(".")
         owner = getattr(importlib.import_module(module), attribute)

@@ -42,6 +42,10 @@ class Seam:
     parameters: tuple[str, ...] | None = None  # a method's, after self; None: an attribute
 
 
+# accelerate's mark of a prepared model (Accelerator.prepare_model): set on the bare model when an
+# evaluation prepares it, it kept the training's prepare from wrapping it in DDP.
+ACCELERATE_PREPARED = "_is_accelerate_prepared"
+
 PRIVATE_SEAMS = (
     Seam(
         "trl.SFTTrainer",
@@ -119,6 +123,13 @@ PRIVATE_SEAMS = (
         "the attention a model runs, "
         "read before enable_context_parallel switches it (set_attn_implementation) and restored "
         "by disable_context_parallel",
+    ),
+    Seam(
+        "accelerate.Accelerator",
+        ACCELERATE_PREPARED,
+        "the mark Accelerator.prepare_model leaves on a model it prepared (an attribute of the "
+        "model): taken off a bare model that evaluate() prepared, so that train() wraps it in "
+        "DDP (the trainers' train); accelerate has no public way to prepare it again",
     ),
     Seam(
         "datasets.Dataset",
