@@ -43,6 +43,8 @@ class Installation:
             :data:`MISSING`.
         decoder_hook: the decoder's pre-hook that refuses a training pass past the installed
             forward (:func:`refuse_bypass`).
+        rotary_hooks: the forward hooks that compute batch-dependent rotary embeddings per
+            conversation (``rotary.py``).
         audited: the attention implementations whose first packed call kept every conversation
             apart (``packing_audit.py``).
     """
@@ -53,6 +55,7 @@ class Installation:
     previous_loss_function: Any
     previous_forward: Any
     decoder_hook: torch.utils.hooks.RemovableHandle | None = None
+    rotary_hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
     audited: set[str] = field(default_factory=set)
 
 

@@ -4,7 +4,8 @@ transformers computes the loss inside ``forward`` as ``self.loss_function(logits
 vocab_size, **kwargs)`` with the call's extra keywords; ``loss_function`` is a property whose
 setter stores an instance attribute, so one model gets its own loss without touching the class.
 :func:`apply_packed_loss` installs a :class:`PackedCausalLMLoss` (``loss.py``) and a forward
-(``forward.py``) that checks every call (``guards.py``), recorded in ``installation.py``;
+(``forward.py``) that checks every call (``guards.py``) and per-conversation rotary embeddings
+where their frequencies depend on the call (``rotary.py``), recorded in ``installation.py``;
 :func:`remove_packed_loss` undoes it exactly. Its first call imports ``transformers.trainer``
 (seconds): every Trainer created after it refuses a model with the packed loss unless it is a
 packed one (``seams.py``).
@@ -17,6 +18,7 @@ import functools
 from torch import nn
 
 from ..options import ChunkOptions
+from . import rotary
 from .forward import PackedForward, fusable_reason, refuse_bypass
 from .installation import MISSING, Installation, base_model
 from .loss import PackedCausalLMLoss
@@ -104,6 +106,7 @@ def apply_packed_loss(
         installation.decoder_hook = target.get_decoder().register_forward_pre_hook(
             functools.partial(refuse_bypass, target), with_kwargs=True
         )
+    installation.rotary_hooks = rotary.install(target)
     target._packed_ce = installation
     from .seams import refuse_in_other_trainers  # imports transformers.Trainer: seconds, once
 
@@ -139,6 +142,8 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
         target.forward = installation.previous_forward
     if installation.decoder_hook is not None:
         installation.decoder_hook.remove()
+    for hook in installation.rotary_hooks:
+        hook.remove()
     if installation.previous_loss_function is MISSING:
         del target._loss_function
     else:

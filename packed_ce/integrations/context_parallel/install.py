@@ -35,6 +35,7 @@ from collators.columns import (
 from ...options import LossOptions
 from ...targets import count_normaliser
 from ..installation import base_model, installation_of
+from ..rotary import batch_dependent
 from .attention import ATTENTION_NAME, ROW_LAYOUT, attention
 from .layout import RowLayout
 
@@ -87,6 +88,13 @@ def _refusal(model: nn.Module) -> str | None:
         )
     if getattr(config, "use_bidirectional_attention", False):
         return f"{name} uses bidirectional attention: context parallelism is causal"
+    rotary = next((m for m in model.modules() if batch_dependent(m)), None)
+    if rotary is not None:
+        return (
+            f"{name}'s rotary embedding (rope_type={rotary.rope_type!r}) chooses its frequencies "
+            "from the longest position of the call, which each rank's shard would choose for "
+            "itself: context parallelism supports rope types that do not depend on the call"
+        )
     return None
 
 
