@@ -201,12 +201,12 @@ def test_prediction_metrics_are_refused(trainer_name, option, tmp_path, monkeypa
 
         monkeypatch.setattr(SFTTrainer, "_prepare_dataset", prepare)
     metric = lambda *args: {}  # noqa: E731
-    with pytest.raises(ValueError, match=f"{option} would receive packed rows.*eval_loss/<source>"):
+    with pytest.raises(ValueError, match=f"{option} reads the Trainer.s predictions.*eval_loss/<source>"):
         build_trainer(trainer_name, "padded", str(tmp_path), {option: metric})
     monkeypatch.undo()
     trainer = build_trainer(trainer_name, "padded", str(tmp_path))
     setattr(trainer, option, metric)
-    with pytest.raises(ValueError, match=f"{option} would receive packed rows"):
+    with pytest.raises(ValueError, match=f"{option} reads the Trainer.s predictions"):
         trainer.evaluate()
 
 

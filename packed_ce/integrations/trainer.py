@@ -451,7 +451,9 @@ def refuse_prediction_metrics(trainer: str, compute_metrics, preprocess_logits_f
     ):
         if value is not None:
             raise ValueError(
-                f"{trainer}: {option} would receive packed rows of several conversations, not "
-                "one prediction per conversation; leave it out: evaluate() reports eval_loss (the "
-                "per-conversation mean over the eval set) and eval_loss/<source>"
+                f"{trainer}: {option} reads the Trainer's predictions batch by batch, which are "
+                "no per-conversation result (a packed or padding-free row holds several "
+                "conversations, and accelerate completes the last batch with copies); leave it "
+                "out: evaluate() reports eval_loss (the per-conversation mean over the eval set) "
+                "and eval_loss/<source>"
             )
