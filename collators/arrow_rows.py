@@ -13,9 +13,10 @@ import os
 
 import numpy as np
 
+from packed_ce.columns import INPUT_IDS, LABELS, SEQ_LENGTHS
+
 from . import cache
 from .checks import check_tokens, targets_per_sequence
-from .columns import INPUT_IDS, LABELS, SEQ_LENGTHS
 
 # Tokens checked at once: the scan's temporaries (a few bytes per token) stay in the tens of MB.
 BLOCK_TOKENS = 1 << 21

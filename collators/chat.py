@@ -7,10 +7,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from packed_ce.columns import IGNORE_INDEX, INPUT_IDS, LABELS
+
 from . import cache
 from .arrow_rows import progress_unit
 from .checks import positive_int
-from .columns import IGNORE_INDEX, INPUT_IDS, LABELS
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .checks import check_tokens, positive_int, targets_per_sequence, token_array
-from .columns import (
+from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQLENS,
     IGNORE_INDEX,
@@ -31,6 +30,8 @@ from .columns import (
     SEQ_LENGTHS,
     SEQUENCE_COLUMNS,
 )
+
+from .checks import check_tokens, positive_int, targets_per_sequence, token_array
 
 
 @dataclasses.dataclass
@@ -173,7 +174,7 @@ class PackedCollator(_Collator):
     - ``seq_targets`` ``(S,)`` int32: the target count of each sequence's whole conversation (given
       by the example for split pieces, else its own); 1 for a sequence without targets and for
       padding, so ``weight / seq_targets`` never divides by 0.
-    - every other column of ``collators.columns.SEQUENCE_COLUMNS`` the examples carry (per sequence,
+    - every other column of ``packed_ce.columns.SEQUENCE_COLUMNS`` the examples carry (per sequence,
       or one conversation's data set column), its ``padding`` for padding: ``seq_weights`` ``(S,)``
       float64 (from ``seq_weights`` or ``weight``, in every example or none; 0 for padding),
       ``seq_sources`` (list of ``str`` or None, from ``seq_sources`` or ``source``).

@@ -11,10 +11,11 @@ import os
 
 import numpy as np
 
+from packed_ce.columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQUENCE_COLUMNS
+
 from . import cache
 from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
 from .checks import positive_int
-from .columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQUENCE_COLUMNS
 from .planning import (
     ROW_LAYOUT_VERSION,
     Overflow,
@@ -56,7 +57,7 @@ def pack_dataset(
     Args:
         dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset`` of ``input_ids`` and
             ``labels`` (equal-length lists of ints, as ``tokenize_dataset`` makes). Every other
-            column goes to each piece (``collators.columns.SEQUENCE_COLUMNS``): ``weight``
+            column goes to each piece (``packed_ce.columns.SEQUENCE_COLUMNS``): ``weight``
             (real >= 0) as ``seq_weights``, ``source`` (strings) as ``seq_sources``, any other
             ``name`` as ``seq_<name>``; a column of lists or structs raises.
         max_length: row capacity in tokens (at least 2 with ``overflow="split"``).

@@ -21,8 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from .checks import positive_int
-from .columns import (
+from packed_ce.columns import (
     INPUT_IDS,
     LABELS,
     PACKED_ROW_COLUMNS,
@@ -32,6 +31,8 @@ from .columns import (
     SequenceColumn,
     carried_column,
 )
+
+from .checks import positive_int
 
 logger = logging.getLogger(__name__)
 

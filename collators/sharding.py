@@ -20,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .checks import positive_int, targets_per_sequence
-from .columns import (
+from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
@@ -33,6 +32,9 @@ from .columns import (
     SHARD,
     SHIFT_LABELS,
 )
+from packed_ce.targets import position_restarts
+
+from .checks import positive_int, targets_per_sequence
 
 # Long rows are cut into chunks of at least this many tokens (a multiple of flex attention's
 # 128-token blocks): finer chunks balance the ranks' attention work over conversations of mixed
@@ -100,22 +102,6 @@ def balanced_chunks(lengths: np.ndarray, num_tokens: int, world_size: int) -> np
     return np.stack([np.flatnonzero(owner == rank) for rank in range(world_size)])
 
 
-def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
-    """Where sequences start under transformers' rule: each row's first token, and wherever
-    ``position_ids[t] != position_ids[t - 1] + 1``.
-
-    Args:
-        position_ids: ``(B, T)`` or ``(T,)`` integer.
-
-    Returns:
-        ``(B * T,)`` bool, True at each sequence's first token.
-    """
-    positions = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return starts.reshape(-1)
-
-
 def _row_checksum(input_ids: torch.Tensor, bounds: np.ndarray) -> int:
     """63 bits of a hash of the row's tokens and boundaries (one copy of the row to the host)."""
     digest = hashlib.blake2b(digest_size=8)
@@ -153,7 +139,7 @@ def shard_batch(
         - ``cu_seqlens`` ``(S_local + 1,)`` int32: local segments, cut at each chunk start and
           sequence start.
         - ``seq_targets`` ``(S_local,)`` int32: each segment's conversation target count (>= 1).
-        - every other key of ``collators.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights``
+        - every other key of ``packed_ce.columns.SEQUENCE_COLUMNS`` in ``batch`` (``seq_weights``
           ``(S_local,)`` float64, ``seq_sources`` a list): each segment's value, its sequence's.
         - ``context_parallel_shard`` (``ShardRecord``): the rank, world size, row and chunks it was
           cut for, which the model's forward checks and lays out (``enable_context_parallel``).

@@ -18,9 +18,17 @@ from collections.abc import Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
+from packed_ce.columns import (
+    IGNORE_INDEX,
+    INPUT_IDS,
+    LABELS,
+    SEQ_LENGTHS,
+    SEQ_TARGETS,
+    SequenceColumn,
+)
+
 from .arrow_rows import list_array
 from .checks import check_tokens, positive_int, targets_per_sequence, token_array
-from .columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SequenceColumn
 from .planning import (
     Overflow,
     PackingStats,

@@ -148,8 +148,8 @@ def load_conversations(dataset: str | None):
         ValueError naming ``--dataset``: unreadable, empty, or neither messages nor tokens.
     """
     import collators
-    from collators.columns import INPUT_IDS, LABELS
     from collators.data import read_dataset
+    from packed_ce.columns import INPUT_IDS, LABELS
 
     with naming_flag("--dataset", dataset):
         if dataset is None:
@@ -194,7 +194,7 @@ def split_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         {'input_ids': [1, 2], 'labels': [-100, 2], 'weight': 1.0}
         {'input_ids': [3, 4, 5], 'labels': [-100, 4, 5], 'weight': 0.5}
     """
-    from collators.columns import SEQ_LENGTHS, SEQ_TARGETS, SEQUENCE_COLUMNS
+    from packed_ce.columns import SEQ_LENGTHS, SEQ_TARGETS, SEQUENCE_COLUMNS
 
     names = {column.key: column.column for column in SEQUENCE_COLUMNS}
     conversations = []

@@ -1,4 +1,4 @@
-"""The batch contract (``collators/columns.py``): every key a collator's batch or a packed row
+"""The batch contract (``packed_ce/columns.py``): every key a collator's batch or a packed row
 carries is a named constant there, and no library module imports another's private name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 import collators
-from collators import columns
+from packed_ce import columns
 
 ROOT = Path(__file__).parents[1]
 CONTRACT = {value for name, value in vars(columns).items() if name.isupper() and isinstance(value, str)}

@@ -262,7 +262,7 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, SequentialSampler
 
-    from collators.columns import EXAMPLE_TOKENS
+    from packed_ce.columns import EXAMPLE_TOKENS
     from packed_ce.integrations.copies import copies_layout, without_copies
 
     for world in (2, 3):

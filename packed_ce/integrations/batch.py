@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from collators.columns import (
+from packed_ce.columns import (
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
     LABELS,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
 
-from collators.columns import EXAMPLE_TOKENS, INPUT_IDS, LABELS, SHIFT_LABELS
+from packed_ce.columns import EXAMPLE_TOKENS, INPUT_IDS, LABELS, SHIFT_LABELS
 
 # (data-parallel rank, examples per process and batch): where the copies of a last batch are.
 Layout = tuple[int, int]

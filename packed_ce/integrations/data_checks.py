@@ -14,13 +14,8 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from collators.checks import (
-    check_weight_range,
-    conversation_weight,
-    targets_per_sequence,
-    weight_array,
-)
-from collators.columns import (
+from collators.checks import targets_per_sequence
+from packed_ce.columns import (
     INPUT_IDS,
     LABELS,
     SEQ_LENGTHS,
@@ -29,6 +24,7 @@ from collators.columns import (
     SOURCE_COLUMN,
     WEIGHT_COLUMN,
 )
+from packed_ce.weights import check_weight_range, conversation_weight, weight_array
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +79,7 @@ def check_columns(dataset, name: str) -> None:
 
     Raises:
         TypeError / ValueError naming the row: a weight not a real number, NaN, infinite, negative
-            or not carried exactly (:func:`collators.checks.check_weight_range`), a source not a
+            or not carried exactly (:func:`packed_ce.weights.check_weight_range`), a source not a
             string; naming the data set when every weight is 0.
     """
     columns = getattr(dataset, "column_names", None) or []

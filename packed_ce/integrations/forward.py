@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from collators.columns import LABELS, SHIFT_LABELS
+from packed_ce.columns import LABELS, SHIFT_LABELS
 
 from .context_parallel.install import prepare_call
 from .guards import checked_call

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from collators.columns import (
+from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from collators.columns import CU_SEQLENS
+from packed_ce.columns import CU_SEQLENS
 
 from ..cross_entropy import cross_entropy_call
 from ..options import Boundaries, LossOptions, changed_fields

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from collators.columns import (
+from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,

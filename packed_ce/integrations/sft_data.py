@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from collators.collate import example_values, sequence_columns
-from collators.columns import (
+from packed_ce.columns import (
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
     INPUT_IDS,

@@ -25,7 +25,7 @@ from trl.chat_template_utils import has_generation_markers
 from trl.data_utils import is_conversational
 from trl.trainer.utils import get_config_model_id
 
-from collators.columns import ATTENTION_MASK, INPUT_IDS, source_names
+from packed_ce.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
 from ..stats import TokenStats
 from . import data_checks, sft_data

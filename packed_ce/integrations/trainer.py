@@ -19,7 +19,8 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import has_length
 from transformers.training_args import ParallelMode
 
-from collators.columns import (
+from collators.sharding import shard_for_rank
+from packed_ce.columns import (
     EXAMPLE_TOKENS,
     FLOAT_SEQUENCE_KEYS,
     LABELS,
@@ -28,7 +29,6 @@ from collators.columns import (
     SHARD,
     source_names,
 )
-from collators.sharding import shard_for_rank
 
 from ..pending import check_pending
 from .batch import count_num_items

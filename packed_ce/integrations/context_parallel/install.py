@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from collators.columns import (
+from packed_ce.columns import (
     CU_SEQLENS,
     INPUT_IDS,
     LABELS,

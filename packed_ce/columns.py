@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checks import conversation_weight, weight_array
+from .weights import conversation_weight, weight_array
 
 IGNORE_INDEX = -100  # a label that is no target (PyTorch's and transformers' value)
 
