@@ -99,6 +99,26 @@ def supports(model_type: str, attn_implementation: str) -> bool:
     return bool(getattr(model_class, flag[attn_implementation], False))
 
 
+# Fields the rules above cannot derive, per family: hybrids keep one layer of each kind (a default
+# configuration of all-attention or all-Mamba layers would test neither the mixers nor the
+# attention), and shapes their validation ties together.
+HYBRIDS = {
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=None),
+    "zamba2": dict(mamba_headdim=32, layers_block_type=["linear_attention", "hybrid"],
+                   attention_hidden_size=128, attention_head_dim=32),
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                  attention_hidden_size=128, attention_head_dim=32),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
+    "bamba": dict(attn_layer_indices=[1]),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    "bailing_hybrid": dict(n_group=1, topk_group=1),
+    "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),
+}
+
+
 def tiny_family_model(model_type: str, attn_implementation: str, seed: int = 0):
     """A tiny ``model_type`` causal LM in training mode with random weights fixed by ``seed``.
 
@@ -109,7 +129,8 @@ def tiny_family_model(model_type: str, attn_implementation: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.for_model(model_type, **tiny_overrides(AutoConfig.for_model(model_type)))
+        fields = {**tiny_overrides(AutoConfig.for_model(model_type)), **HYBRIDS.get(model_type, {})}
+        config = AutoConfig.for_model(model_type, **fields)
         if hasattr(config, "is_decoder"):  # the BERT family's causal LM needs it
             config.is_decoder = True
         config._attn_implementation = attn_implementation

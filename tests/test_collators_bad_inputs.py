@@ -85,7 +85,7 @@ TABLE = [
      lambda tok: tokenize_conversation(types.SimpleNamespace(chat_template=None), CHAT),
      (ValueError, "`tokenizer` has no chat template")),
     ("tokenize_dataset list", lambda tok: tokenize_dataset([{"messages": CHAT}], tok),
-     (TypeError, "`dataset` must be a datasets.Dataset, got list")),
+     (TypeError, "`dataset` must be a datasets.Dataset or datasets.IterableDataset, got list")),
     ("tokenize_dataset no messages column", lambda tok: tokenize_dataset(Dataset.from_dict({"text": ["a"]}), tok),
      (ValueError, "`dataset` has no column 'messages'")),
     ("tokenize_dataset max_length=2.5",

@@ -479,7 +479,8 @@ def test_gradient_reaches_the_collective_contiguous(one_rank_group):
     from packed_ce.integrations.context_parallel.layout import RowLayout
 
     rows = torch.tensor([3, 4, 5, 0, 1, 2])  # the row token of each entry of the gather
-    layout = RowLayout(None, 0, 1, rows, torch.zeros(6, dtype=torch.int64), rows, torch.zeros(6, dtype=torch.int64))
+    zeros = torch.zeros(6, dtype=torch.int64)
+    layout = RowLayout(None, 0, 1, rows, zeros, rows, zeros, torch.argsort(rows))
     leaves = [torch.randn(1, 6, 2, 4, requires_grad=True) for _ in range(2)]  # (1, L, H, D), as projected
     upstream = [torch.randn(1, 2, 6, 4) for _ in range(2)]
     contiguous = []
@@ -512,7 +513,7 @@ def test_flex_route_computes_what_the_dense_route_does():
     # keys in gather order (rank 1's chunks first), conversations of 40, 30, 50 and 8 tokens
     rows = torch.cat([torch.arange(32, 96), torch.arange(32), torch.arange(96, 128)])
     documents = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 30, 50, 8]))[rows]
-    layout = RowLayout(None, 1, 2, rows, documents, rows[64:], documents[64:])
+    layout = RowLayout(None, 1, 2, rows, documents, rows[64:], documents[64:], torch.argsort(rows))
     q = torch.randn(1, heads * groups, queries, dim, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(1, heads, total, dim, generator=gen, dtype=torch.float64) for _ in range(2))
     sinks = torch.randn(heads * groups, generator=gen, dtype=torch.float64)
@@ -538,22 +539,57 @@ def test_refusals_without_a_process_group():
         ({"model_type": "llama", "packed_loss": False}, "apply_packed_loss"),
         ({"model_type": "qwen2", "layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ({"model_type": "gemma3_text", "use_bidirectional_attention": True, "head_dim": 16}, "bidirectional"),
-        ({"model_type": "llama", "_supports_attention_backend": False}, "attention interface"),
     ],
-    ids=["no-packed-loss", "other-layer-types", "bidirectional", "own-attention"],
+    ids=["no-packed-loss", "other-layer-types", "bidirectional"],
 )
 def test_refuses_what_it_cannot_keep_exact(one_rank_group, overrides, message):
     overrides = dict(overrides)
     arch = overrides.pop("model_type")
     packed = overrides.pop("packed_loss", True)
-    unsupported = overrides.pop("_supports_attention_backend", True) is False
     model = tiny_causal_lm(VOCAB, model_type=arch, attn_implementation="eager", **overrides)
     if packed:
         apply_packed_loss(model)
-    if unsupported:  # as a model class whose attention does not go through the interface
-        model._supports_attention_backend = False
     with pytest.raises(ValueError, match=message):
         enable_context_parallel(model)
+
+
+def _own_attention_worker(rank: int, port: int, out_dir: str) -> None:
+    """A Llama whose first layer computes its attention by its own function, past transformers'
+    interface (as a family that never looks the implementation up does)."""
+    from transformers.models.llama import modeling_llama
+
+    init_group(rank, port)
+    try:
+        model = apply_packed_loss(tiny_model("llama", VOCAB))
+        attention = model.model.layers[0].self_attn
+        own = type(attention).forward
+
+        def eager_only(self, *args, **kwargs):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(modeling_llama.ALL_ATTENTION_FUNCTIONS, "get_interface",
+                              lambda *a, **k: modeling_llama.eager_attention_forward)
+                return own(self, *args, **kwargs)
+
+        attention.forward = eager_only.__get__(attention)
+        enable_context_parallel(model)
+        batch = packed_batch()
+        try:
+            model(**shard_batch(batch, rank, WORLD), num_items_in_batch=count_num_items(batch))
+            outcome = "ran"
+        except ValueError as error:
+            outcome = str(error)
+        torch.save(outcome, os.path.join(out_dir, f"own-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_attention_past_the_interface_is_refused_on_every_rank(tmp_path):
+    """Judged by what the first call does, not by a class flag: an attention module that never
+    reached the context-parallel attention is named, the same error on every rank."""
+    mp.spawn(_own_attention_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    outcomes = [torch.load(tmp_path / f"own-{rank}.pt") for rank in range(WORLD)]
+    assert outcomes[0] == outcomes[1]
+    assert "attention ['LlamaAttention'] does not go through transformers' attention interface" in outcomes[0]
 
 
 # --- the trainers: accelerate's ParallelismConfig(cp_size=2) ------------------------------------

@@ -1,20 +1,24 @@
 """Every transformers causal-LM family: a packed batch is exact, or refused naming the family.
 
 For every ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, a tiny float32 model
-(``family_models.py``) with each attention implementation it supports among eager and sdpa runs
-one packed row of four conversations (untrained turns, one conversation without a target). The
-truth is every conversation alone (``one_at_a_time``); the family's own behaviour is the same
-packed call without the packed loss (its logits, the packed mean over ``cu_seqlens``), exact when
-its loss and its gradients are the truth's (gradients too: a convolution initialised to the identity
-reads nothing of the conversation before until its first step, but its gradient does). Then with
-``apply_packed_loss(model, is_packed=True)``:
+(``family_models.py``; hybrids keep a layer of each kind) with each attention implementation it
+supports among eager and sdpa runs one packed row of four conversations (untrained turns, one
+conversation without a target) and a padding segment of the family's own padding token (the one
+``PackedCollator(pad_to_multiple_of=...)`` and context parallelism add, whose embedding is 0 where
+the family zeroes it). The truth is every conversation alone (``one_at_a_time``); the family's own
+behaviour is the same packed call without the packed loss (its logits, the packed mean over
+``cu_seqlens``), exact when its loss and its gradients are the truth's (gradients too: a
+convolution initialised to the identity reads nothing of the conversation before until its first
+step, but its gradient does). Then with ``apply_packed_loss(model, is_packed=True)`` every family
+is exact (loss and every gradient, all finite) or refused with a ``ValueError`` naming its
+``model_type``:
 
-- a family whose own packed call is exact must not be refused (except by "cannot be checked") and
-  must give the truth's loss and gradients;
-- a family whose own packed call is not exact must be refused with a ``ValueError`` naming its
-  ``model_type`` (or refused by transformers itself, which knows its kernels cannot keep packed
-  sequences apart): by the mask audit or by ``LEAKY_FAMILIES``, so a table entry that becomes
-  exact, or a leak the audit and the table miss, fails here.
+- a family whose own packed call is exact must not be refused (except by "cannot be checked");
+- a family whose own packed call is not exact (or that transformers refuses packed, its kernels
+  missing) is made exact by packed-ce (its token mixers per conversation, ``families.MIXERS``;
+  batch-dependent rotary embeddings per conversation) or refused: by the mask audit, the probe of
+  its first packed call or ``LEAKY_FAMILIES``. A table entry that goes stale, or a leak that
+  nothing catches, fails here.
 
 Flex attention compiles for minutes on CPU and has no backward there:
 :func:`test_flex_attention_masks_are_audited` reads, for a representative set of families, the
@@ -34,7 +38,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packed_ce
 from collators import PackedCollator
 from packed_ce.integrations import apply_packed_loss
-from packed_ce.integrations.packing_audit import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
+from packed_ce.integrations.families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS, MIXERS
+from packed_ce.integrations.mixers import mixers_of
 
 from family_models import VOCAB, NotBuilt, supports, tiny_family_model
 from integration_utils import (
@@ -57,6 +62,7 @@ TRANSFORMERS_REFUSAL = "keep packed sequences apart"
 GRAD_RTOL = 1e-5
 UNAUDITABLE = "cannot be checked"
 RESULTS: dict[tuple[str, str], str] = {}
+MIXERS_SEEN: set[str] = set()  # the classes of families.MIXERS that some built family has
 # (family, implementation) -> the relative loss and gradient errors: of the packed loss where
 # exact, of the family's own packed call where refused
 ERRORS: dict[tuple[str, str], tuple[float, float]] = {}
@@ -68,8 +74,18 @@ def conversations() -> list[dict]:
     return found
 
 
-def packed_batch() -> dict:
-    return PackedCollator()([{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations()])
+PADDED_TO = 48  # the conversations' 39 tokens and a padding segment of 9
+
+
+def packed_batch(pad_token_id: int = 0) -> dict:
+    collate = PackedCollator(pad_to_multiple_of=PADDED_TO, pad_token_id=pad_token_id)
+    return collate([{**c, "seq_lengths": [len(c["input_ids"])]} for c in conversations()])
+
+
+def padding_token(model) -> int:
+    """The family's padding token (whose embedding it may keep at 0), or 0."""
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
+    return pad if isinstance(pad, int) and 0 <= pad < VOCAB else 0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -98,18 +114,26 @@ def own_packed_call(model, batch):
 def distance(model, compute, truth) -> tuple[float, float] | str:
     """``compute``'s loss and gradients against ``truth`` (relative errors, the gradients of all
     parameters as one vector: a scalar parameter's gradient is a sum with cancellation, DiffLlama's
-    lambdas 3e-4 off from float32 rounding alone), or the ValueError's message."""
+    lambdas 3e-4 off from float32 rounding alone), or the ValueError's message. A non-finite
+    gradient is an infinite error."""
     try:
         loss, grads = loss_and_gradients(model, compute)
     except ValueError as error:
         return str(error)
+    if not all(bool(torch.isfinite(g).all()) for g in grads.values()):
+        return float("inf"), float("inf")
     return relative_error(loss, truth[0]), flat_relative_error(grads, truth[1])
+
+
+def exact(errors) -> bool:
+    return not isinstance(errors, str) and errors[0] <= EXACT_RTOL and errors[1] <= GRAD_RTOL
 
 
 def sweep(family: str, attn: str) -> str:
     """Runs one (family, implementation); returns its outcome for the summary."""
     model = tiny_family_model(family, attn)
-    batch = packed_batch()
+    MIXERS_SEEN.update(type(mixer).__name__ for mixer in mixers_of(model))
+    batch = packed_batch(padding_token(model))
     truth = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
     own = distance(model, functools.partial(own_packed_call, batch=batch), truth)
     if isinstance(own, str) and TRANSFORMERS_REFUSAL not in own:
@@ -117,26 +141,24 @@ def sweep(family: str, attn: str) -> str:
     apply_packed_loss(model, is_packed=True, backend="torch")
     packed = distance(model, lambda m: m(**batch).loss, truth)
     where = f"{family} with {attn}"
-    if isinstance(own, str):  # transformers refuses the packed call itself
-        assert isinstance(packed, str), f"{where}: transformers refuses ({own}) but the packed loss ran"
-        return f"refused by transformers: {own}"
-    if own[0] <= EXACT_RTOL and own[1] <= GRAD_RTOL:
-        if isinstance(packed, str) and UNAUDITABLE in packed:
+    if isinstance(packed, str):  # refused
+        if exact(own):
+            assert UNAUDITABLE in packed, f"{where} is exact packed ({own}) but refused: {packed}"
             return f"unchecked: {packed}"  # refused, though exact: no layers to audit
-        assert not isinstance(packed, str), f"{where} is exact packed ({own}) but refused: {packed}"
-        assert packed[0] <= EXACT_RTOL and packed[1] <= GRAD_RTOL, (
-            f"{where}: loss and gradients {packed[0]:.1e}, {packed[1]:.1e} from every conversation alone"
-        )
-        ERRORS[family, attn] = packed
-        return "exact"
-    assert isinstance(packed, str), (
-        f"{where}: a packed conversation sees the one before it (loss and gradients {own[0]:.1e}, "
-        f"{own[1]:.1e} from every conversation alone) and apply_packed_loss did not refuse: add the "
-        "family to LEAKY_FAMILIES with the reason, or teach the audit to read its mask"
+        assert f"model_type={family!r}" in packed, packed
+        ERRORS[family, attn] = (float("inf"),) * 2 if isinstance(own, str) else own
+        return f"refused: {packed}"
+    assert exact(packed), (
+        f"{where}: loss and gradients {packed[0]:.1e}, {packed[1]:.1e} from every conversation "
+        "alone, and apply_packed_loss did not refuse: add the family's token mixer to "
+        "families.MIXERS or the family to LEAKY_FAMILIES with the reason, or teach the audit "
+        "to read its mask"
     )
-    assert f"model_type={family!r}" in packed, packed
-    ERRORS[family, attn] = own
-    return f"refused: {packed}"
+    ERRORS[family, attn] = packed
+    if exact(own):
+        return "exact"
+    how = "refused by transformers" if isinstance(own, str) else f"{max(own):.1e}"
+    return f"made exact: its own packed call {how}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -157,7 +179,7 @@ def test_family_is_exact_or_refused(family):
 
 # A representative set: plain, sliding-window, hybrid-window and MoE families that are exact,
 # families whose masks leak (built without position_ids), and Doge, whose flex path leaks.
-FLEX_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text", "qwen3_moe", "opt", "afmoe", "bert", "doge"]
+FLEX_FAMILIES = ["llama", "qwen2", "mistral", "gemma3_text", "qwen3_moe", "opt", "afmoe", "bert", "doge", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", FLEX_FAMILIES)
@@ -178,7 +200,8 @@ def test_flex_attention_masks_are_audited(family, monkeypatch):
     leaks = []
 
     def stub(module, query, key, value, attention_mask, **kwargs):
-        leaks.append(packing_audit._mask_leak(attention_mask, pairs, starts.shape))
+        if query.shape[2] == starts.shape[1]:  # not the probe's shorter rows
+            leaks.append(packing_audit._mask_leak(attention_mask, pairs, starts.shape))
         return torch.zeros_like(query).transpose(1, 2), None
 
     build = functools.partial(flex_attention.create_block_mask, _compile=False)
@@ -206,7 +229,8 @@ def test_every_leaky_implementation_is_checked_here():
 
 
 def test_sweep_summary(capsys):
-    """Prints the sweep's counts; every LEAKY_FAMILIES entry must have been seen refused."""
+    """Prints the sweep's counts; every LEAKY_FAMILIES entry must have been seen refused and every
+    MIXERS class seen in a built family."""
     if len({family for family, _ in RESULTS}) < len(FAMILIES):
         pytest.skip("the sweep ran only in part")
     kind = {key: outcome.split(":")[0] for key, outcome in RESULTS.items()}
@@ -215,32 +239,33 @@ def test_sweep_summary(capsys):
         count = collections.Counter(k for (_, a), k in kind.items() if a == attn)
         lines.append(
             f"{attn}: {sum(count.values()) - count['not built'] - count['not supported']} built "
-            f"({count['exact']} exact, {count['refused']} refused by packed-ce, "
-            f"{count['refused by transformers']} by transformers, {count['unchecked']} exact but "
-            f"refused unchecked), {count['not built']} not built, {count['not supported']} "
-            f"without {attn}"
+            f"({count['exact']} exact, {count['made exact']} made exact by packed-ce, "
+            f"{count['refused']} refused, {count['unchecked']} exact but refused unchecked), "
+            f"{count['not built']} not built, {count['not supported']} without {attn}"
         )
     verdicts = collections.defaultdict(set)
     for (family, _), k in kind.items():
-        verdicts[family].add("refused" if k.startswith("refused") or k == "unchecked" else k)
+        verdicts[family].add("refused" if k in ("refused", "unchecked") else k)
     built = {f: v - {"not built", "not supported"} for f, v in verdicts.items()}
     built = {f: v for f, v in built.items() if v}
     lines.append(
         f"{len(FAMILIES)} families, {len(built)} built: "
         f"{sum(v == {'exact'} for v in built.values())} exact, "
+        f"{sum(v == {'made exact'} for v in built.values())} made exact, "
         f"{sum(v == {'refused'} for v in built.values())} refused, "
         f"{sum(len(v) > 1 for v in built.values())} exact with one implementation only"
     )
-    exact = [e for key, e in ERRORS.items() if kind[key] == "exact"]
+    exact = [e for key, e in ERRORS.items() if kind[key] in ("exact", "made exact")]
     leaks = [max(e) for key, e in ERRORS.items() if kind[key] == "refused"]
     lines.append(
         f"worst exact: loss {max(e[0] for e in exact):.1e}, gradients {max(e[1] for e in exact):.1e}; "
         f"smallest leak refused: {min(leaks):.1e}"
     )
-    for label in ("refused", "refused by transformers", "unchecked", "not built"):
+    for label in ("made exact", "refused", "unchecked", "not built"):
         lines.append(f"{label}:")
         lines += [f"  {f} {a}: {o[len(label) + 2:]}" for (f, a), o in sorted(RESULTS.items()) if kind[f, a] == label]
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     refused = {family for (family, _), k in kind.items() if k == "refused"}
     assert not set(LEAKY_FAMILIES) - refused, "LEAKY_FAMILIES entries the sweep did not refuse"
+    assert not set(MIXERS) - MIXERS_SEEN, f"MIXERS entries no family has: {set(MIXERS) - MIXERS_SEEN}"

@@ -11,8 +11,8 @@
   unpacked batches still run exact; the refusal holds under gradient checkpointing, inside a PEFT
   adapter and on the fused-linear path, where an exact family stays exact (loss and gradients);
   ``remove_packed_loss`` leaves the layers' hooks as they were; conversations are where
-  ``position_ids`` restart, and a packed call without them is refused naming them; a ``seq_idx``
-  family with ``seq_idx`` goes on to transformers' own check.
+  ``position_ids`` restart, and a packed call without them is refused naming them; a token mixer
+  no table knows is caught by the probe of the first packed call.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_flash_reads_varlen_keywords_or_a_single_rows_positions_and_rotary_posit
 
 
 def layer_hooks(model) -> list[int]:
-    return [len(layer._forward_pre_hooks) for _, layer in packing_audit._decoder_layers(model)]
+    return [len(layer._forward_pre_hooks) for _, layer in packing_audit.decoder_layers(model)]
 
 
 def test_audited_once_per_implementation_with_no_hook_or_sync_after(monkeypatch):
@@ -257,14 +257,21 @@ def test_conversations_are_where_position_ids_restart():
     assert model._packed_ce.audited == {"sdpa"}
 
 
-def test_a_seq_idx_family_with_seq_idx_goes_on_to_transformers():
-    model = apply_packed_loss(tiny_family_model("zamba", "eager"))
-    batch = packed_batch()
-    with pytest.raises(ValueError, match="model_type='zamba': without seq_idx its Mamba layers"):
-        model(**batch)
-    seq_idx = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))[None]
-    with pytest.raises(ValueError, match="can't keep packed sequences apart without"):  # on CPU
-        model(**batch, seq_idx=seq_idx.to(torch.int32))
+def test_a_token_mixer_no_table_knows_is_caught_by_the_probe(monkeypatch):
+    """LFM2's short convolution without its MIXERS entry: no attention mask shows it, the probe of
+    the first packed call does (B's logits change with the conversation before it)."""
+    from packed_ce.integrations import families
+
+    model = tiny_family_model("lfm2", "eager")
+    monkeypatch.delitem(families.MIXERS, "Lfm2ShortConv")
+    apply_packed_loss(model, backend="torch")
+    with pytest.raises(ValueError, match=r"model_type='lfm2'.*the logits of a conversation change by .* when the "
+                                         r"conversation before it in the row changes"):
+        model(**packed_batch())
+    monkeypatch.undo()
+    apply_packed_loss(model, backend="torch")  # with its entry: run per conversation, exact
+    model(**packed_batch())
+    assert model._packed_ce.audited == {"eager"}
 
 
 @pytest.mark.parametrize("family", ["llama", "opt"])
@@ -292,3 +299,17 @@ def test_flash_attention_layers_are_audited_by_their_keywords(family, monkeypatc
         with torch.no_grad():
             model(**batch)
         assert model._packed_ce.audited == {"flash_attention_2"}
+
+
+def test_a_refusal_names_what_works_on_this_machine():
+    """gpt-oss on a CPU: eager leaks, sdpa it does not support, flex leaks too (LEAKY_IMPLEMENTATIONS):
+    the message names no other attention implementation, only unpacked training, which is exact."""
+    model = tiny_family_model("gpt_oss", "eager")
+    apply_packed_loss(model, backend="torch")
+    with pytest.raises(ValueError) as refused:
+        model(**packed_batch())
+    message = str(refused.value)
+    assert "no other attention implementation of gpt_oss runs on this machine" in message
+    assert "SFTConfig(packing=False, padding_free=False)" in message and "PaddedCollator" in message
+    loss = model(**PaddedCollator()(conversations())).loss
+    assert_loss_close(loss, one_at_a_time(model, conversations()))

@@ -42,12 +42,14 @@ def sequence_boundaries(
     def on_device(value):  # anything but a tensor is refused by name where the loss checks it
         return value.to(labels.device) if isinstance(value, torch.Tensor) else value
 
-    if batch.get(CU_SEQLENS) is not None:
+    handed = batch.get(BOUNDARIES_KEY)  # the packed forward's, already found
+    source = batch if handed is None else handed
+    if source.get(CU_SEQLENS) is not None:
         keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
-        found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
-        return {CU_SEQLENS: on_device(batch[CU_SEQLENS]), **found}
-    if batch.get(BOUNDARIES_KEY) is not None:
-        return {key: on_device(value) for key, value in batch[BOUNDARIES_KEY].items()}
+        found = {key: on_device(source[key]) for key in keys if source.get(key) is not None}
+        return {CU_SEQLENS: on_device(source[CU_SEQLENS]), **found}
+    if handed is not None:
+        return {POSITION_IDS: on_device(handed[POSITION_IDS])}
     if batch.get(CU_SEQ_LENS_Q) is not None:
         return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
     if batch.get(POSITION_IDS) is not None:

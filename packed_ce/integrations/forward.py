@@ -15,13 +15,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from packed_ce.columns import LABELS, SHIFT_LABELS
+from packed_ce.columns import INPUT_IDS, LABELS, SHIFT_LABELS
 
-from .context_parallel.install import prepare_call
+from .context_parallel.attention import ROW_LAYOUT
+from .context_parallel.install import check_first_call, prepare_call
 from .guards import checked_call
 from .installation import MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
+from .mixers import with_boundaries
 from .packing_audit import start_audit
+from .rotary import with_row_positions
 
 # Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final
 # softcap) between the hidden states and the loss: the fused forward would silently drop it.
@@ -166,6 +169,25 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     return output if return_dict is not False else output.to_tuple()
 
 
+def _as_they_are(kwargs: dict, shape: tuple[int, int]) -> dict:
+    """A packed call of a family without mixers needs nothing beside its position_ids."""
+    return kwargs
+
+
+def _tokens_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
+    """``(B, T)`` of a call's ``input_ids`` (or ``inputs_embeds``, or its first argument)."""
+    tokens = kwargs.get(INPUT_IDS)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None and args:
+        tokens = args[0]
+    return (
+        tuple(tokens.shape[:2])
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+        else (0, 0)
+    )
+
+
 class PackedForward:
     """``model``'s forward on a checked call, with the signature of its own forward; the loss from
     the hidden states where fused.
@@ -195,18 +217,27 @@ class PackedForward:
         model = self.model
         installation = model._packed_ce
         kwargs = checked_call(args, prepare_call(model, kwargs))
+        if installation.mixers and ROW_LAYOUT not in kwargs:
+            kwargs = with_boundaries(kwargs, _tokens_shape(args, kwargs))
+        if installation.rotary_hooks:
+            kwargs = with_row_positions(kwargs)
         labels = kwargs.get(LABELS)
         fused = installation.fused_options is not None
+        fused = fused and not args and labels is not None and model.training
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            with start_audit(model, installation, args, kwargs):
-                if fused and not args and labels is not None and model.training:
-                    return _fused_linear_forward(model, installation, kwargs)
-                calls = installation.loss.calls
-                output = _own_forward(model, installation)(*args, **kwargs)
+            own = _own_forward(model, installation)
+            added = with_boundaries if installation.mixers else _as_they_are
+            calls = installation.loss.calls
+            with start_audit(model, installation, args, kwargs, own, added):
+                if fused:  # the loss from the hidden states, past the model's loss_function
+                    output = _fused_linear_forward(model, installation, kwargs)
+                else:
+                    output = own(*args, **kwargs)
+            check_first_call(model, kwargs)
         finally:
             _running.depth -= 1
-        if labels is not None and installation.loss.calls == calls:
+        if labels is not None and not fused and installation.loss.calls == calls:
             raise ValueError(
                 f"{type(model).__name__} (model_type={model.config.model_type!r}) computed its "
                 "loss without calling its loss_function, so apply_packed_loss cannot change it: "

@@ -45,6 +45,8 @@ class Installation:
             forward (:func:`refuse_bypass`).
         rotary_hooks: the forward hooks that compute batch-dependent rotary embeddings per
             conversation (``rotary.py``).
+        mixers: the token mixers run per conversation and the decoder layers' hooks
+            (``mixers.py``); empty for a family without mixers.
         audited: the attention implementations whose first packed call kept every conversation
             apart (``packing_audit.py``).
     """
@@ -56,6 +58,7 @@ class Installation:
     previous_forward: Any
     decoder_hook: torch.utils.hooks.RemovableHandle | None = None
     rotary_hooks: list[torch.utils.hooks.RemovableHandle] = field(default_factory=list)
+    mixers: list = field(default_factory=list)
     audited: set[str] = field(default_factory=set)
 
 

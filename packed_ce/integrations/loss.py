@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-from packed_ce.columns import CU_SEQLENS
-
 from ..cross_entropy import cross_entropy_call
 from ..options import Boundaries, LossOptions, changed_fields
 from ..stats import SequenceLosses, TokenStats
@@ -128,7 +126,7 @@ class PackedCausalLMLoss:
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(device)
         found = sequence_boundaries(targets, kwargs, is_packed=self.is_packed)
-        checked = kwargs.get(CU_SEQLENS) is None and kwargs.get(BOUNDARIES_KEY) is not None
+        checked = kwargs.get(BOUNDARIES_KEY) is not None  # by the guard, where they entered
         boundaries = (Boundaries if checked else checked_boundaries)(
             num_items_in_batch=num_items_in_batch, **found
         )

@@ -23,7 +23,8 @@ A leaking layer raises a ``ValueError`` naming ``config.model_type``, the implem
 fix before it runs. A passed audit is remembered per implementation on the installation, and its
 hooks are gone after that call: later calls cost one set lookup. Families that are wrong for a
 reason no mask shows (recurrent state carried along the row) are refused by name from
-:data:`LEAKY_FAMILIES` (:data:`LEAKY_IMPLEMENTATIONS` where only one implementation is wrong);
+``families.py``'s :data:`LEAKY_FAMILIES` (:data:`LEAKY_IMPLEMENTATIONS` where only one
+implementation is wrong); its token mixers (:data:`MIXERS`) run per conversation (``mixers.py``);
 ``tests/test_families.py`` runs every family of transformers and fails when a table or the audit
 disagrees with what a family does.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import inspect
 from collections.abc import Mapping
 
@@ -49,42 +51,20 @@ from packed_ce.columns import (
 )
 
 from .context_parallel.attention import ATTENTION_NAME
+from .families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
 from .guards import packed_boundaries
+from .probe import probe
 
 # Additive mask values at or below this mask their key: exp(-1e4) is 0 in every float type.
 MASKED_BELOW = -1e4
-UNPACKED = "or train on unpacked batches (collators.PaddedCollator: one conversation per row)"
-_STATE = "the state of the conversation before"
-# Families whose packed conversations see the one before for a reason no attention mask shows:
-# model_type -> why (tests/test_families.py fails when one becomes exact or another one leaks).
-LEAKY_FAMILIES: dict[str, str] = {
-    "mamba": f"its Mamba layers start each conversation from {_STATE}",
-    "falcon_mamba": f"its Mamba layers start each conversation from {_STATE}",
-    "mamba2": f"its Mamba 2 layers start each conversation from {_STATE}",
-    "jamba": f"its Mamba layers start each conversation from {_STATE}",
-    "zamba": f"without seq_idx its Mamba layers start each conversation from {_STATE}",
-    "recurrent_gemma": f"its RG-LRU layers start each conversation from {_STATE}",
-    "rwkv": f"its RWKV time mixing starts each conversation from {_STATE}",
-    "xlstm": f"its mLSTM layers start each conversation from {_STATE}",
-    "minimax": f"its lightning (linear) attention starts each conversation from {_STATE}",
-    "deepseek_v4": "its compressed attention pools blocks of tokens across conversations",
-    "zaya": "its query and key convolutions (CCA) read the conversation before",
-    "inkling_text": "without seq_idx its short convolutions read the conversation before",
-    "inkling2_text": "without seq_idx its short convolutions read the conversation before",
-    "inkling2_loop_text": "without seq_idx its short convolutions read the conversation before",
-}
-# (family, implementation) pairs whose attention does not get the mask its layers do.
-LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
-    ("doge", "flex_attention"): "its attention builds its dynamic mask without the flex "
-    "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
-}
-# Families of LEAKY_FAMILIES whose mixing layers keep conversations apart by the call's seq_idx
-# (transformers' causal_conv1d / mamba kernels; it refuses such a call where they are missing).
-SEQ_IDX_FAMILIES = frozenset({"zamba", "inkling_text", "inkling2_text", "inkling2_loop_text"})
+UNPACKED = (
+    "or train unpacked, one conversation per row: PackedSFTTrainer with SFTConfig(packing=False, "
+    "padding_free=False), or collators.PaddedCollator with PackedTrainer or your own loop"
+)
 _NOTHING = contextlib.nullcontext()
 
 
-def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
+def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forward, boundaries):
     """A context to run a call of ``model`` in: its audit on the first packed call.
 
     Args:
@@ -92,6 +72,8 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
         installation: its :class:`Installation` (``audited``: the implementations checked).
         args, kwargs: the call, as :func:`checked_call` left it (a packed call has no
             ``attention_mask`` and no cache).
+        forward, boundaries: the model's own forward and what the packed forward adds to a packed
+            call, for :func:`probe.probe`.
 
     Returns:
         a no-op context, or on the first packed call of ``config._attn_implementation`` an
@@ -99,7 +81,8 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
 
     Raises:
         ValueError: on a packed call of a family of :data:`LEAKY_FAMILIES` or
-            :data:`LEAKY_IMPLEMENTATIONS`, or of a model whose decoder layers cannot be found.
+            :data:`LEAKY_IMPLEMENTATIONS`, of one whose probe shows a leak, or of a model whose
+            decoder layers cannot be found.
     """
     implementation = model.config._attn_implementation
     if implementation in installation.audited:
@@ -111,20 +94,18 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
     if starts is None:
         return _NOTHING
     family = getattr(model.config, "model_type", type(model).__name__)
-    if family in LEAKY_FAMILIES and not (
-        family in SEQ_IDX_FAMILIES and kwargs.get("seq_idx") is not None
-    ):
+    if family in LEAKY_FAMILIES:
         raise ValueError(
-            f"packed batches are not exact on model_type={family!r}: {LEAKY_FAMILIES[family]} in "
-            f"the row; pack nothing with this family, {UNPACKED}"
+            f"packed batches are not exact on model_type={family!r}: {LEAKY_FAMILIES[family]}; "
+            f"pack nothing with this family, {UNPACKED}"
         )
     if (family, implementation) in LEAKY_IMPLEMENTATIONS:
         raise ValueError(
             f"packed batches are not exact on model_type={family!r} with attn_implementation="
-            f"{implementation!r}: {LEAKY_IMPLEMENTATIONS[family, implementation]}; load it with "
-            f"another attn_implementation, {UNPACKED}"
+            f"{implementation!r}: {LEAKY_IMPLEMENTATIONS[family, implementation]}; "
+            f"{_elsewhere(model)}"
         )
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if not layers and getattr(model.config.get_text_config(), "num_hidden_layers", None) == 0:
         installation.audited.add(implementation)  # no layer: no token sees another
         return _NOTHING
@@ -134,7 +115,48 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict):
             f"(transformers' GradientCheckpointingLayer) whose attention masks could be read; "
             f"pack nothing with this family, {UNPACKED}"
         )
-    return _Audit(model, installation, layers, starts, kwargs.get(POSITION_IDS))
+    # probed before the call: its forwards between this call's forward and its backward would
+    # change what a gradient-checkpointed recomputation saves
+    leak = probe(model, forward, kwargs, boundaries)
+    return _Audit(model, installation, layers, starts, kwargs, leak)
+
+
+# attn_implementation -> the class flag of a family supporting it (eager: every family)
+_SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+}
+
+
+def _elsewhere(model: nn.Module) -> str:
+    """What to do instead: the other attention implementations the family supports on this
+    machine and no table refuses (each checked again on its first packed call), and unpacked
+    training.
+    """
+    family = getattr(model.config, "model_type", type(model).__name__)
+    current = model.config._attn_implementation
+    usable = {"eager": True, "sdpa": True, "flex_attention": True}
+    usable["flash_attention_2"] = bool(
+        torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    )
+    others = [
+        name
+        for name, available in usable.items()
+        if available
+        and name != current
+        and (name == "eager" or getattr(model, _SUPPORT_FLAGS[name], False))
+        and (family, name) not in LEAKY_IMPLEMENTATIONS
+    ]
+    if not others:
+        return (
+            f"no other attention implementation of {family} runs on this machine (flash "
+            f"attention on a GPU may keep them apart): pack nothing with it, {UNPACKED}"
+        )
+    return (
+        f"load the model with attn_implementation={' or '.join(map(repr, others))} (its first "
+        f"packed call is checked again), {UNPACKED}"
+    )
 
 
 def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -213,13 +235,15 @@ def _boundary_pairs(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 class _Audit:
     """The pre-hooks of one packed call on the decoder layers (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, installation, layers, starts: torch.Tensor, positions):
+    def __init__(self, model: nn.Module, installation, layers, starts, kwargs: dict, leak):
+        self.model = model
         self.installation = installation
         self.implementation = model.config._attn_implementation
         self.family = getattr(model.config, "model_type", type(model).__name__)
         self.starts = starts
         self.pairs = _boundary_pairs(starts)
-        self.positions = isinstance(positions, torch.Tensor)
+        self.positions = isinstance(kwargs.get(POSITION_IDS), torch.Tensor)
+        self.leak = leak  # what the probe saw, raised unless a mask names the leak first
         self.hooks = [
             layer.register_forward_pre_hook(functools.partial(self._check, name), with_kwargs=True)
             for name, layer in layers
@@ -229,15 +253,26 @@ class _Audit:
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        """Removes the hooks; a call that ran through marks the implementation audited."""
+        """Removes the hooks; a call that ran through with every mask exact raises what the probe
+        saw (:func:`probe.probe`), or marks the implementation audited.
+        """
         for hook in self.hooks:
             hook.remove()
-        if error_type is None:
-            self.installation.audited.add(self.implementation)
+        if error_type is not None:
+            return
+        if self.leak is not None:
+            raise ValueError(
+                f"packed batches are not exact on model_type={self.family!r} with "
+                f"attn_implementation={self.implementation!r}: {self.leak}; pack nothing with this "
+                f"family, {UNPACKED}"
+            )
+        self.installation.audited.add(self.implementation)
 
     def _check(self, name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
         arguments = _bound_arguments(layer, args, kwargs)
         mask = arguments.get(ATTENTION_MASK)
+        if mask is None or _padding(mask):  # Zamba's hybrid layers: the 4-D mask beside it
+            mask = arguments.get("causal_mask", mask)
         if mask is None or _padding(mask):
             if not any(hasattr(module, "is_causal") for module in layer.modules()):
                 return  # no attention: a recurrent layer's state is LEAKY_FAMILIES' matter
@@ -260,8 +295,8 @@ class _Audit:
         raise ValueError(
             f"packed batches are not exact on model_type={self.family!r} with "
             f"attn_implementation={self.implementation!r}: decoder layer {name!r} gets {leak}, so "
-            f"a packed conversation attends to the one before it{hint}. Load the model with "
-            f"another attn_implementation (its first packed call is checked again), {UNPACKED}"
+            f"a packed conversation attends to the one before it{hint}; "
+            f"{_elsewhere(self.model)}"
         )
 
 
@@ -270,7 +305,7 @@ def _padding(mask) -> bool:
     return isinstance(mask, torch.Tensor) and mask.dim() < 4
 
 
-def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost ``GradientCheckpointingLayer`` modules of the decoder (of the whole model
     where ``get_decoder`` finds none: some families' returns their head).
     """

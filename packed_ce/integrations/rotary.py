@@ -10,7 +10,10 @@ embeddings per conversation length ``L``: the module's own forward on the positi
 conversations of length ``L``, whose longest position is ``L - 1``, as each is alone. Lengths go in
 ascending order after a call on one position, so that ``"dynamic"`` starts from its trained
 frequencies and grows as for each conversation alone in a fresh model (its cache otherwise keeps the
-longest length it saw).
+longest length it saw). A padded call (an ``attention_mask`` with padding, no ``position_ids``)
+has one row's positions for every row, so each row took the longest row's frequencies: such a
+call gets each row's own positions (:func:`with_row_positions`), its padding a conversation of its
+own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,19 @@ def install(model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         for module in model.modules()
         if batch_dependent(module)
     ]
+
+
+def with_row_positions(kwargs: dict) -> dict:
+    """A padded call's keywords with ``position_ids`` ``(B, T)``: each row's real tokens counted
+    from 0 (left padding too), each padding token at 0, a conversation of one token.
+    """
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("position_ids") is not None or not isinstance(mask, torch.Tensor):
+        return kwargs
+    if mask.dim() != 2 or bool(mask.all()):
+        return kwargs
+    real = mask.to(torch.int64)
+    return {**kwargs, "position_ids": ((real.cumsum(-1) - 1) * real).clamp_min(0)}
 
 
 def conversation_lengths(position_ids: torch.Tensor) -> torch.Tensor:

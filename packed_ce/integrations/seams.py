@@ -111,13 +111,6 @@ PRIVATE_SEAMS = (
         "remove_packed_loss, which change one instance, not its class",
     ),
     Seam(
-        "transformers.PreTrainedModel",
-        "_supports_attention_backend",
-        "whether a family's "
-        "attention goes through transformers' attention interface, which context parallelism "
-        "replaces (a family outside it is refused by name)",
-    ),
-    Seam(
         "transformers.PretrainedConfig",
         "_attn_implementation",
         "the attention a model runs, "

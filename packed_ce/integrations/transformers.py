@@ -18,10 +18,11 @@ import functools
 from torch import nn
 
 from ..options import ChunkOptions
-from . import rotary
+from . import mixers, rotary
 from .forward import PackedForward, fusable_reason, refuse_bypass
 from .installation import MISSING, Installation, base_model
 from .loss import PackedCausalLMLoss
+from .packing_audit import decoder_layers
 
 
 def apply_packed_loss(
@@ -107,6 +108,7 @@ def apply_packed_loss(
             functools.partial(refuse_bypass, target), with_kwargs=True
         )
     installation.rotary_hooks = rotary.install(target)
+    installation.mixers = mixers.install(target, [layer for _, layer in decoder_layers(target)])
     target._packed_ce = installation
     from .seams import refuse_in_other_trainers  # imports transformers.Trainer: seconds, once
 
@@ -144,6 +146,7 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
         installation.decoder_hook.remove()
     for hook in installation.rotary_hooks:
         hook.remove()
+    mixers.uninstall(installation.mixers)
     if installation.previous_loss_function is MISSING:
         del target._loss_function
     else:

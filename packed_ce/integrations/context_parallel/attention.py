@@ -2,9 +2,8 @@
 
 Registered once with transformers' attention interface under :data:`ATTENTION_NAME`; it holds no
 state: the row's :class:`~.layout.RowLayout` comes with each call (:data:`ROW_LAYOUT`). The keys and
-values are all-gathered together per layer (rank-major: the mask maps each to its row token); the
-gather's backward is one reduce-scatter, so the parameter gradients summed over the ranks are one
-process's. What a family asks of its attention is done exactly or refused: sliding windows (the
+values are gathered together per layer (``gather.py``: rank-major, the mask maps each to its row
+token). What a family asks of its attention is done exactly or refused: sliding windows (the
 mask), an attention logit softcap (Gemma 2: ``softcap * tanh(s / softcap)`` on each score),
 attention sinks (gpt-oss: a per-head logit in the softmax's denominator only), dropout (refused).
 """
@@ -12,10 +11,10 @@ attention sinks (gpt-oss: a per-head logit in the softmax's denominator only), d
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .gather import gather_tokens
 from .layout import RowLayout
 
 ATTENTION_NAME = "packed_ce_context_parallel"
@@ -25,47 +24,16 @@ ROW_LAYOUT = "packed_ce_row_layout"
 DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
 
-class _GatherRow(torch.autograd.Function):
-    """The keys and values of every rank, rank-major: ``(L, Hkv, D)`` each -> ``(T, Hkv, D)`` each.
-
-    Forward: one all-gather of both. Backward: one reduce-scatter (every rank's queries read each
-    rank's keys and values).
-    """
-
-    @staticmethod
-    def forward(ctx, key: torch.Tensor, value: torch.Tensor, layout: RowLayout):
-        ctx.layout = layout
-        local = torch.stack((key, value), dim=1)  # (L, 2, Hkv, D), contiguous
-        gathered = local.new_empty((layout.world_size * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(gathered, local, group=layout.group)
-        return gathered[:, 0], gathered[:, 1]
-
-    @staticmethod
-    def backward(ctx, grad_key: torch.Tensor, grad_value: torch.Tensor):
-        layout = ctx.layout
-        # a new contiguous buffer: the gradients arrive as permuted views of (1, H, T, D), and
-        # NCCL's reduce-scatter splits the raw memory, not the first dimension (a buffer keeping
-        # a view's strides came back mixed between the ranks)
-        ranked = torch.stack((grad_key, grad_value), dim=1)  # (T, 2, Hkv, D)
-        local = ranked.shape[0] // layout.world_size
-        if dist.get_backend(layout.group) == "nccl":
-            own = ranked.new_empty((local, *ranked.shape[1:]))
-            dist.reduce_scatter_tensor(own, ranked, group=layout.group)
-        else:  # gloo has no reduce-scatter: sum everything, keep this rank's slice
-            dist.all_reduce(ranked, group=layout.group)
-            own = ranked[layout.rank * local : (layout.rank + 1) * local]
-        return own[:, 0], own[:, 1], None  # no gradient for the layout
-
-
 def gather_row(
     key: torch.Tensor, value: torch.Tensor, layout: RowLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``key`` and ``value`` ``(1, Hkv, L, D)`` of every rank as ``(1, Hkv, T, D)``, rank-major
-    (:class:`RowLayout` maps each entry to its row token). They are ``(1, L, H, D)`` transposed,
-    so the token-major views need no copy.
+    (:class:`RowLayout` maps each entry to its row token), in one collective. They are
+    ``(1, L, H, D)`` transposed, so the token-major views need no copy.
     """
-    keys, values = _GatherRow.apply(key[0].transpose(0, 1), value[0].transpose(0, 1), layout)
-    return keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    local = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # (L, 2, H, D)
+    gathered = gather_tokens(local, layout)  # (T, 2, Hkv, D)
+    return gathered[:, 0].transpose(0, 1)[None], gathered[:, 1].transpose(0, 1)[None]
 
 
 def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -173,6 +141,7 @@ def attention(
             f"{type(module).__name__} asks for non-causal attention, which context parallelism "
             "does not provide"
         )
+    layout.reached.add(module)
     keys, values = gather_row(key, value, layout)  # (1, Hkv, T, D) each
     mask = layout.mask(kwargs.get("sliding_window"), query.device)
     compute = _dense if isinstance(mask, torch.Tensor) else _flex

@@ -35,6 +35,7 @@ from packed_ce.columns import (
 from ...options import LossOptions
 from ...targets import count_normaliser
 from ..installation import base_model, installation_of
+from ..mixers import mixers_of
 from ..rotary import batch_dependent
 from .attention import ATTENTION_NAME, ROW_LAYOUT, attention
 from .layout import RowLayout
@@ -51,12 +52,15 @@ class ContextParallel:
     Attributes:
         group, rank, world_size: the ranks sharing each row (group None: the default group).
         previous_attention: ``config._attn_implementation`` before (None for one rank: unchanged).
+        checked: whether a call showed every attention module going through the
+            context-parallel attention (:func:`check_first_call`).
     """
 
     group: object
     rank: int
     world_size: int
     previous_attention: str | None = None
+    checked: bool = False  # the first call's attention went through the interface
 
 
 def context_parallel_of(model: nn.Module) -> ContextParallel | None:
@@ -72,19 +76,15 @@ def _refusal(model: nn.Module) -> str | None:
             f"enable_context_parallel needs the packed loss on this {name} first: call "
             "apply_packed_loss(model) (its forward checks every shard and its normaliser)"
         )
-    if not getattr(model, "_supports_attention_backend", False):
-        return (
-            f"{name} does not compute attention through transformers' attention interface, so "
-            "context parallelism cannot replace it"
-        )
     config = (
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
     other = sorted(set(getattr(config, "layer_types", None) or ()) - EXACT_LAYER_TYPES)
-    if other:
+    if other and not mixers_of(model):  # a mixer's layers gather their inputs (mixers.py)
         return (
             f"{name} has layers of type {other}: context parallelism reproduces full and "
-            "sliding-window causal attention within each conversation only"
+            "sliding-window causal attention within each conversation, and the token mixers of "
+            "families.MIXERS, only"
         )
     if getattr(config, "use_bidirectional_attention", False):
         return f"{name} uses bidirectional attention: context parallelism is causal"
@@ -225,6 +225,35 @@ def prepare_call(model: nn.Module, kwargs: dict) -> dict:
         count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
         kwargs["num_items_in_batch"] = count.to(torch.float64) / world
     return kwargs
+
+
+def check_first_call(model: nn.Module, kwargs: dict) -> None:
+    """After the first context-parallel call of ``model``: every attention module (one with
+    ``is_causal``, transformers' attention contract) went through the context-parallel attention.
+    A family whose attention calls its own function sees this rank's shard only; every rank
+    computes the same modules, so every rank raises the same error.
+
+    Raises:
+        ValueError: naming the attention modules that bypassed transformers' attention interface.
+    """
+    state = getattr(model, STATE_ATTRIBUTE, None)
+    layout = kwargs.get(ROW_LAYOUT)
+    if state is None or state.checked or layout is None:
+        return
+    bypassed = sorted(
+        {
+            type(module).__name__
+            for module in model.modules()
+            if hasattr(module, "is_causal") and module not in layout.reached
+        }
+    )
+    if bypassed:
+        raise ValueError(
+            f"{type(model).__name__}'s attention {bypassed} does not go through transformers' "
+            "attention interface, so context parallelism cannot replace it: each rank would "
+            "attend over its own shard only"
+        )
+    state.checked = True
 
 
 def _gather_facts(

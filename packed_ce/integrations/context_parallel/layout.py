@@ -37,8 +37,13 @@ class RowLayout:
         documents: ``(T,)`` int64 conversation of each entry of the gather.
         queries: ``(L,)`` int64 row index of each local token (the rank's entries of ``rows``).
         query_documents: ``(L,)`` int64 conversation of each local token.
+        order: ``(T,)`` int64 the gather entry of each row token (the inverse of ``rows``).
         masks: per sliding window (None: none), built on first use: a flex-attention block mask
             (CUDA, long rows) or the dense ``(L, T)`` bool mask.
+        spans: the row's conversations as ``(start, end)`` row indices, read on first use
+            (:meth:`conversations`).
+        reached: the attention modules whose attention this layout computed (a family's own
+            attention function would not: ``install.check_first_call``).
     """
 
     group: object
@@ -48,7 +53,10 @@ class RowLayout:
     documents: torch.Tensor
     queries: torch.Tensor
     query_documents: torch.Tensor
+    order: torch.Tensor
     masks: dict = field(default_factory=dict, repr=False)
+    spans: list | None = field(default=None, repr=False)
+    reached: set = field(default_factory=set, repr=False)
 
     @classmethod
     def gather(
@@ -71,7 +79,17 @@ class RowLayout:
         positions = gathered[order]  # (T,) in row order: the restart rule reads neighbours
         documents = sequence_ids(positions, None, positions)[0][rows]  # back to gather order
         mine = slice(rank * local, (rank + 1) * local)
-        return cls(group, rank, world_size, rows, documents, rows[mine], documents[mine])
+        return cls(group, rank, world_size, rows, documents, rows[mine], documents[mine], order)
+
+    def conversations(self) -> list[tuple[int, int]]:
+        """The row's conversations as ``(start, end)`` row indices (one copy to the host, once)."""
+        if self.spans is None:
+            documents = self.documents[self.order]  # row order
+            starts = torch.ones_like(documents, dtype=torch.bool)
+            starts[1:] = documents[1:] != documents[:-1]
+            cuts = starts.nonzero().flatten().tolist() + [documents.numel()]
+            self.spans = list(zip(cuts[:-1], cuts[1:]))
+        return self.spans
 
     def mask_mod(self, window: int | None):
         """The rule ``(b, h, q, k) -> bool`` on local query and gather key indices, elementwise on

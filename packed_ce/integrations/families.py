@@ -1,0 +1,93 @@
+"""What packed-ce knows of transformers' model families, in one place.
+
+A family is exact packed when every path by which it mixes tokens keeps each conversation to
+itself. Attention masks are read on the first packed call (``packing_audit.py``) and the whole
+model is probed there; what no mask shows is listed here:
+
+- :data:`MIXERS`: the token-mixing modules that are not attention (short convolutions, gated delta
+  rules, state-space scans, linear attention), run per conversation (``mixers.py``);
+- :data:`LEAKY_FAMILIES`, :data:`LEAKY_IMPLEMENTATIONS`: families packed-ce cannot keep apart,
+  refused by name with the reason.
+
+``tests/test_families.py`` runs every causal-LM family of transformers and fails when a table and
+what a family does disagree. A new family that mixes tokens another way is caught by the probe of
+its first packed call (``packing_audit.py``) before it trains; teach it here.
+"""
+
+from __future__ import annotations
+
+_STATE = "the state of the conversation before"
+
+# Token mixers (by class name) -> the packages whose kernels keep a row's conversations apart
+# given the call's ``seq_idx`` and ``cu_seq_lens_q`` (transformers passes them on through
+# ``**kwargs``): with all of them installed, on CUDA, one row runs whole; else (the CPU, a GPU
+# without them, a kernel that takes no boundary: ``()``) each conversation runs alone.
+MIXERS: dict[str, tuple[str, ...]] = {
+    # gated delta rule: a short convolution (causal_conv1d, seq_idx), then the rule (fla,
+    # cu_seqlens from cu_seq_lens_q)
+    **dict.fromkeys(
+        (
+            "Qwen3_5GatedDeltaNet",
+            "Qwen3_5MoeGatedDeltaNet",
+            "Qwen3NextGatedDeltaNet",
+            "Qwen4ExpTextGatedDeltaNet",
+            "OlmoHybridGatedDeltaNet",
+            "LaraMiniGatedDeltaNet",
+        ),
+        ("causal_conv1d", "fla"),
+    ),
+    # Kimi delta attention: transformers gives its kernel no cu_seqlens
+    **dict.fromkeys(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), ()),
+    # Mamba 2: seq_idx into mamba_ssm's fused kernel, or causal_conv1d and the chunked scan
+    **dict.fromkeys(
+        (
+            "NemotronHMamba2Mixer",
+            "GraniteMoeHybridMambaLayer",
+            "BambaMixer",
+            "FalconH1Mixer",
+            "Zamba2MambaMixer",
+        ),
+        ("causal_conv1d", "mamba_ssm"),
+    ),
+    # Mamba 1: the selective scan takes no boundary
+    **dict.fromkeys(("JambaMambaMixer", "ZambaMambaMixer"), ()),
+    # short convolutions (seq_idx)
+    **dict.fromkeys(
+        ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"),
+        ("causal_conv1d",),
+    ),
+    # linear attention, recurrences: no kernel takes a boundary
+    **dict.fromkeys(("MiniMaxLightningAttention", "RecurrentGemmaRecurrentBlock"), ()),
+    **dict.fromkeys(
+        (
+            "Inkling2ShortConvolution",
+            "Inkling2DynamicShortConvolution",
+            "Inkling2LoopShortConvolution",
+            "Inkling2LoopDynamicShortConvolution",
+        ),
+        (),
+    ),
+}
+
+# Families whose packed conversations see the one before for a reason packed-ce cannot remove:
+# model_type -> why (tests/test_families.py fails when one becomes exact or another one leaks).
+LEAKY_FAMILIES: dict[str, str] = {
+    "mamba": f"its Mamba layers start each conversation from {_STATE} in the row (its forward "
+    "passes them no boundary)",
+    "falcon_mamba": f"its Mamba layers start each conversation from {_STATE} in the row (its "
+    "forward passes them no boundary)",
+    "mamba2": f"its Mamba 2 layers start each conversation from {_STATE} in the row "
+    "(Mamba2ForCausalLM passes them no boundary)",
+    "rwkv": f"its RWKV time mixing starts each conversation from {_STATE} in the row",
+    "xlstm": f"its mLSTM layers start each conversation from {_STATE} in the row",
+    "deepseek_v4": "its compressed attention pools blocks of tokens across conversations",
+    "zaya": "its query and key convolutions (CCA) read the conversation before in the row",
+    "inkling_text": "its short convolutions read the conversation before in the row (its layers "
+    "pass them no boundary)",
+}
+# (family, implementation) pairs whose attention does not get the mask its layers do.
+LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
+    ("doge", "flex_attention"): "its attention builds its dynamic mask without the flex "
+    "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
+    ("gpt_oss", "flex_attention"): "its mask lets a conversation see the one before it",
+}
