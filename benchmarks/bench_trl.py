@@ -12,7 +12,8 @@ Four runs, each a trl ``train()`` on the same data from the same initial weights
 - ``packed_all_rows`` (only when named in ``--runs``): ``packed`` with every row through the
   fused path's GEMMs (``drop_ignored_rows=False``: no host sync in the loss).
 
-Every run: a Llama-shaped model built from its config (random init, bf16 on CUDA), trl's
+Every run: a model built from its config (Llama-shaped, or ``--model qwen3_5-2b`` a Qwen3.5 2B-like
+hybrid; random init, bf16 on CUDA), trl's
 ``packing=True`` (``packing_strategy="bfd"``) and ``padding_free=True``, one packed row per step
 (``per_device_train_batch_size=1``), trl's other defaults (AdamW, bf16 autocast, learning rate
 2e-5), attention that keeps the conversations of a row apart: ``sdpa`` (transformers builds the
@@ -148,9 +149,20 @@ MODELS = {
         max_position_embeddings=8192,
         rope_parameters=dict(rope_type="default", rope_theta=500000.0),
     ),
+    # a Qwen3.5 2B-like hybrid: three gated-delta-rule layers (short convolution + delta rule) to
+    # each attention layer, Qwen3.5's head shapes and vocabulary
+    "qwen3_5-2b": dict(
+        model_type="qwen3_5_text", hidden_size=2048, intermediate_size=6144,
+        num_hidden_layers=24, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=262144,
+    ),
 }  # fmt: skip
+MODELS["qwen3_5-2b"]["layer_types"] *= MODELS["qwen3_5-2b"]["num_hidden_layers"] // 4
 # The data of each model size: bench_training's shapes (the tiny one scaled down by 16).
 CHATS = {
+    "qwen3_5-2b": (ChatShape(), 4096),
     "tiny": (ChatShape(system_median=3, user_median=4, assistant_median=14, max_exchanges=4), 128),
     "1b": (ChatShape(), 4096),
     "8b": (ChatShape(), 4096),
@@ -211,16 +223,19 @@ def make_tokenizer():
 
 
 def build_model(model: str, attention: str, device: torch.device, quantized: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if quantized:
         return load_quantized(model, attention, device)
+    fields = dict(MODELS[model])
     # use_cache=False: with a cache transformers ignores the packed position_ids
-    config = LlamaConfig(**MODELS[model], use_cache=False, attn_implementation=attention)
+    config = AutoConfig.for_model(
+        fields.pop("model_type", "llama"), **fields, use_cache=False, attn_implementation=attention
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM._from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def quantized_checkpoint(model: str, device: torch.device) -> Path:

@@ -529,7 +529,7 @@ def _model_text(result: dict) -> str:
     for name, config in result["models"].items():
         tied = ", tied embeddings" if config.get("tie_word_embeddings") else ""
         parts.append(
-            f"{name}: Llama-shaped, {config['num_hidden_layers']} layers, hidden "
+            f"{name}: {config.get('model_type', 'llama')}, {config['num_hidden_layers']} layers, hidden "
             f"{config['hidden_size']}, vocabulary {config['vocab_size']}{tied}"
         )
     return "; ".join(parts)
