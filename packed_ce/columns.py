@@ -50,6 +50,8 @@ MAX_LENGTH_K = "max_length_k"
 # What a context-parallel shard is (collators.shard_batch): a ShardRecord the model's forward
 # checks.
 SHARD = "context_parallel_shard"
+# A context-parallel call's row layout (who holds which tokens), handed to every layer.
+ROW_LAYOUT = "packed_ce_row_layout"
 
 # The trainers' evaluation batches: each example's token count, (B,) int64, to find the copies
 # accelerate adds to the last batch (packed_ce.integrations.evaluation).

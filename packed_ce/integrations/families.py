@@ -7,7 +7,10 @@ model is probed there; what no mask shows is listed here:
 - :data:`MIXERS`: the token-mixing modules that are not attention (short convolutions, gated delta
   rules, state-space scans, linear attention), run per conversation (``mixers.py``);
 - :data:`LEAKY_FAMILIES`, :data:`LEAKY_IMPLEMENTATIONS`: families packed-ce cannot keep apart,
-  refused by name with the reason.
+  refused by name with the reason;
+- :data:`UNFUSABLE_CONFIG_FIELDS`: what the fused head cannot reproduce;
+- :data:`EXACT_LAYER_TYPES`, :data:`DROPOUT_FIELDS`: what context parallelism reproduces of an
+  attention layer, and the fields of the dropout it refuses.
 
 ``tests/test_families.py`` runs every causal-LM family of transformers and fails when a table and
 what a family does disagree. A new family that mixes tokens another way is caught by the probe of
@@ -91,3 +94,16 @@ LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
     ("gpt_oss", "flex_attention"): "its mask lets a conversation see the one before it",
 }
+
+# Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final
+# softcap) between the hidden states and the loss: the fused forward would silently drop it.
+UNFUSABLE_CONFIG_FIELDS = {
+    "logit_scale": "the logits are multiplied by config.logit_scale",
+    "logits_scaling": "the logits are divided by config.logits_scaling",
+}
+# Layer types whose attention the context-parallel mask reproduces (a mixer's layers gather their
+# inputs instead, MIXERS).
+EXACT_LAYER_TYPES = {"full_attention", "sliding_attention"}
+# Configuration fields holding a family's attention dropout (context parallelism refuses it in
+# training, naming the field).
+DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")

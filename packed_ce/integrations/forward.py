@@ -15,23 +15,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from packed_ce.columns import INPUT_IDS, LABELS, SHIFT_LABELS
+from packed_ce.columns import INPUT_IDS, LABELS, ROW_LAYOUT, SHIFT_LABELS
 
-from .context_parallel.attention import ROW_LAYOUT
-from .context_parallel.install import check_first_call, prepare_call
-from .guards import checked_call
-from .installation import MISSING, Installation
+from .families import UNFUSABLE_CONFIG_FIELDS
+from .guards import checked_call, refuse_shard
+from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .mixers import with_boundaries
 from .packing_audit import start_audit
 from .rotary import with_row_positions
-
-# Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final
-# softcap) between the hidden states and the loss: the fused forward would silently drop it.
-_UNFUSABLE_CONFIG_FIELDS = {
-    "logit_scale": "the logits are multiplied by config.logit_scale",
-    "logits_scaling": "the logits are divided by config.logits_scaling",
-}
 
 
 def fusable_reason(model: nn.Module) -> str | None:
@@ -51,7 +43,7 @@ def fusable_reason(model: nn.Module) -> str | None:
             f"{type(head).__name__} on {type(model).__name__}"
         )
     config = model.config
-    for field, reason in _UNFUSABLE_CONFIG_FIELDS.items():
+    for field, reason in UNFUSABLE_CONFIG_FIELDS.items():
         if getattr(config, field, None) not in (None, 1, 1.0):
             return f"fused_linear=True cannot reproduce {type(model).__name__}: {reason}"
     if getattr(config, "output_router_logits", False):
@@ -192,7 +184,7 @@ class PackedForward:
     """``model``'s forward on a checked call, with the signature of its own forward; the loss from
     the hidden states where fused.
 
-    The call is made exact or refused (:func:`prepare_call` for context parallelism, then
+    The call is made exact or refused (context parallelism's ``prepare``, then
     :func:`checked_call`; the first packed call of each attention implementation also by
     :func:`start_audit`). Fused, training, with ``labels``: the decoder runs and the loss comes
     from :func:`packed_ce.fused_linear_cross_entropy` on its ``(B, T, H)`` hidden states and
@@ -216,7 +208,12 @@ class PackedForward:
     def __call__(self, *args, **kwargs):
         model = self.model
         installation = model._packed_ce
-        kwargs = checked_call(args, prepare_call(model, kwargs))
+        context_parallel = getattr(model, CONTEXT_PARALLEL, None)  # enable_context_parallel's
+        if context_parallel is None:
+            refuse_shard(model, kwargs)
+        else:
+            kwargs = context_parallel.prepare(model, kwargs)
+        kwargs = checked_call(args, kwargs)
         if installation.mixers and ROW_LAYOUT not in kwargs:
             kwargs = with_boundaries(kwargs, _tokens_shape(args, kwargs))
         if installation.rotary_hooks:
@@ -234,7 +231,8 @@ class PackedForward:
                     output = _fused_linear_forward(model, installation, kwargs)
                 else:
                     output = own(*args, **kwargs)
-            check_first_call(model, kwargs)
+            if context_parallel is not None:
+                context_parallel.finish(model, kwargs)
         finally:
             _running.depth -= 1
         if labels is not None and not fused and installation.loss.calls == calls:

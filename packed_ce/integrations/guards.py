@@ -16,6 +16,7 @@ from packed_ce.columns import (
     POSITION_IDS,
     SEQ_TARGETS,
     SEQ_WEIGHTS,
+    SHARD,
 )
 
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
@@ -145,3 +146,15 @@ def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
         return bool((boundaries.to(torch.int64) % width != 0).any())
     positions = positions.reshape(-1, positions.shape[-1])
     return bool((positions[:, 1:] != positions[:, :-1] + 1).any())
+
+
+def refuse_shard(model, kwargs: dict) -> None:
+    """A context-parallel shard given to a model without context parallelism: refused."""
+    record = kwargs.get(SHARD)
+    if record is not None:
+        raise ValueError(
+            f"this batch is one rank's shard (collators.shard_batch, rank {record.rank} of "
+            f"{record.world_size}), but context parallelism is not enabled on this "
+            f"{type(model).__name__}: call enable_context_parallel(model) on every rank, or "
+            "pass the whole batch"
+        )

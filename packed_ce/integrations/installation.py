@@ -16,6 +16,11 @@ from torch import nn
 
 from .loss import PackedCausalLMLoss
 
+# Where enable_context_parallel keeps its state on the model: the one hook through which the packed
+# forward reaches context parallelism (its ``prepare`` before the model's own forward, ``finish``
+# after), without importing it.
+CONTEXT_PARALLEL = "_packed_ce_context_parallel"
+
 
 class _Missing(enum.Enum):
     """What Installation records for an attribute the model did not have in its own __dict__: an

@@ -41,10 +41,9 @@ from ..columns import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    ROW_LAYOUT,
 )
 from ..targets import position_restarts
-from .context_parallel.attention import ROW_LAYOUT
-from .context_parallel.gather import gather_tokens
 from .families import MIXERS
 
 SEQ_IDX = "seq_idx"  # (B, T) int32: the conversation of each token (transformers' keyword)
@@ -162,15 +161,7 @@ def _call_boundaries(module: nn.Module, bound: dict) -> tuple[str | None, object
         sources.append(_layers.stack[-1])
     for layer, arguments in sources:
         found = next(
-            (
-                (kind, arguments[key])
-                for kind, key in (
-                    ("layout", ROW_LAYOUT),
-                    ("index", SEQ_IDX),
-                    ("positions", POSITION_IDS),
-                )
-                if arguments.get(key) is not None
-            ),
+            ((kind, arguments[key]) for kind, key in KINDS if arguments.get(key) is not None),
             None,
         )
         if found is None:
@@ -226,7 +217,7 @@ class PerConversation:
         for key, value in bound.items():
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == local:
                 # (1, L, ...) -> (1, T, ...) in row order
-                row[key] = gather_tokens(value[0], layout)[layout.order][None]
+                row[key] = layout.in_row_order(value[0])[None]
             elif key != ROW_LAYOUT:
                 row[key] = value
         output = _each_conversation(own, row, (1, layout.order.numel()), [layout.conversations()])

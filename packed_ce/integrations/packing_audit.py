@@ -48,9 +48,9 @@ from packed_ce.columns import (
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
+    ROW_LAYOUT,
 )
 
-from .context_parallel.attention import ATTENTION_NAME
 from .families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
 from .guards import packed_boundaries
 from .probe import probe
@@ -87,7 +87,7 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forwa
     implementation = model.config._attn_implementation
     if implementation in installation.audited:
         return _NOTHING
-    if implementation == ATTENTION_NAME:  # context parallelism's: its row layout keeps them apart
+    if kwargs.get(ROW_LAYOUT) is not None:  # context parallelism's: its row layout keeps them apart
         installation.audited.add(implementation)
         return _NOTHING
     starts = _sequence_starts(args, kwargs)

@@ -14,14 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from packed_ce.columns import ROW_LAYOUT
+
+from ..families import DROPOUT_FIELDS
 from .gather import gather_tokens
 from .layout import RowLayout
 
 ATTENTION_NAME = "packed_ce_context_parallel"
-# The model-call keyword carrying the forward's RowLayout down to every layer.
-ROW_LAYOUT = "packed_ce_row_layout"
-# Configuration fields holding a family's attention dropout (named in the refusal).
-DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
 
 
 def gather_row(

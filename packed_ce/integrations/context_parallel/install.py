@@ -26,6 +26,7 @@ from packed_ce.columns import (
     INPUT_IDS,
     LABELS,
     POSITION_IDS,
+    ROW_LAYOUT,
     SEQ_TARGETS,
     SEQ_WEIGHTS,
     SHARD,
@@ -34,15 +35,12 @@ from packed_ce.columns import (
 
 from ...options import LossOptions
 from ...targets import count_normaliser
-from ..installation import base_model, installation_of
+from ..families import EXACT_LAYER_TYPES
+from ..installation import CONTEXT_PARALLEL, base_model, installation_of
 from ..mixers import mixers_of
 from ..rotary import batch_dependent
-from .attention import ATTENTION_NAME, ROW_LAYOUT, attention
+from .attention import ATTENTION_NAME, attention
 from .layout import RowLayout
-
-STATE_ATTRIBUTE = "_packed_ce_context_parallel"
-# Layer types whose attention the context-parallel mask reproduces.
-EXACT_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 @dataclass
@@ -53,7 +51,7 @@ class ContextParallel:
         group, rank, world_size: the ranks sharing each row (group None: the default group).
         previous_attention: ``config._attn_implementation`` before (None for one rank: unchanged).
         checked: whether a call showed every attention module going through the
-            context-parallel attention (:func:`check_first_call`).
+            context-parallel attention (:meth:`finish`).
     """
 
     group: object
@@ -62,10 +60,72 @@ class ContextParallel:
     previous_attention: str | None = None
     checked: bool = False  # the first call's attention went through the interface
 
+    def prepare(self, model: nn.Module, kwargs: dict) -> dict:
+        """The keywords of a call of ``model`` (the packed forward's), checked: every rank's
+        shard, row and normaliser are compared in one small all-gather (each mismatch the same
+        ``ValueError`` on every rank), the row is laid out (:class:`RowLayout`, under
+        :data:`ROW_LAYOUT`) and ``num_items_in_batch`` divided by ``W``.
+
+        Args:
+            model: the transformers model the packed forward runs (not a wrapper).
+            kwargs: the call's keywords.
+
+        Returns:
+            The keywords for the rest of the forward (a new dict, the shard record removed).
+        """
+        record = kwargs.get(SHARD)
+        kwargs = {key: value for key, value in kwargs.items() if key != SHARD}
+        world = self.world_size
+        if world == 1:
+            if record is not None and (record.world_size, record.rank) != (1, 0):
+                raise ValueError(
+                    f"the shard was cut for rank {record.rank} of {record.world_size}, but this "
+                    "context-parallel group has one rank: shard with "
+                    "collators.shard_batch(batch, 0, 1)"
+                )
+            return kwargs
+        options = dataclasses.replace(installation_of(model).loss.options, shift=False)
+        _check_facts(_gather_facts(self, record, kwargs, options), world)
+        position_ids = kwargs[POSITION_IDS]
+        kwargs[ROW_LAYOUT] = RowLayout.gather(
+            self.group, self.rank, world, position_ids, record.chunks
+        )
+        if kwargs.get(LABELS) is not None:
+            count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
+            kwargs["num_items_in_batch"] = count.to(torch.float64) / world
+        return kwargs
+
+    def finish(self, model: nn.Module, kwargs: dict) -> None:
+        """After the first context-parallel call of ``model``: every attention module (one with
+        ``is_causal``, transformers' attention contract) went through the context-parallel
+        attention. A family whose attention calls its own function sees this rank's shard only;
+        every rank computes the same modules, so every rank raises the same error.
+
+        Raises:
+            ValueError: naming the attention modules that bypassed the attention interface.
+        """
+        layout = kwargs.get(ROW_LAYOUT)
+        if self.checked or layout is None:
+            return
+        bypassed = sorted(
+            {
+                type(module).__name__
+                for module in model.modules()
+                if hasattr(module, "is_causal") and module not in layout.reached
+            }
+        )
+        if bypassed:
+            raise ValueError(
+                f"{type(model).__name__}'s attention {bypassed} does not go through transformers' "
+                "attention interface, so context parallelism cannot replace it: each rank would "
+                "attend over its own shard only"
+            )
+        self.checked = True
+
 
 def context_parallel_of(model: nn.Module) -> ContextParallel | None:
     """What :func:`enable_context_parallel` installed on ``model`` (or the model it wraps)."""
-    return getattr(base_model(model), STATE_ATTRIBUTE, None)
+    return getattr(base_model(model), CONTEXT_PARALLEL, None)
 
 
 def _refusal(model: nn.Module) -> str | None:
@@ -129,7 +189,7 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
             "enable_context_parallel needs torch.distributed initialised: call "
             "torch.distributed.init_process_group (torchrun sets up the environment)"
         )
-    if getattr(target, STATE_ATTRIBUTE, None) is not None:
+    if getattr(target, CONTEXT_PARALLEL, None) is not None:
         raise ValueError("context parallelism is already enabled on this model")
     reason = _refusal(target)
     if reason is not None:
@@ -141,7 +201,7 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
         AttentionInterface.register(ATTENTION_NAME, attention)  # stateless: once per process
         state.previous_attention = target.config._attn_implementation
         target.set_attn_implementation(ATTENTION_NAME)
-    setattr(target, STATE_ATTRIBUTE, state)
+    setattr(target, CONTEXT_PARALLEL, state)
     return model
 
 
@@ -152,12 +212,12 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
         ValueError: if context parallelism is not enabled on ``model``.
     """
     target = base_model(model)
-    state = getattr(target, STATE_ATTRIBUTE, None)
+    state = getattr(target, CONTEXT_PARALLEL, None)
     if state is None:
         raise ValueError(f"context parallelism is not enabled on this {type(model).__name__}")
     if state.previous_attention is not None:
         target.set_attn_implementation(state.previous_attention)
-    delattr(target, STATE_ATTRIBUTE)
+    delattr(target, CONTEXT_PARALLEL)
     return model
 
 
@@ -179,81 +239,6 @@ class _Facts(NamedTuple):
 
 
 _COLUMNS = len(_Facts._fields)
-
-
-def prepare_call(model: nn.Module, kwargs: dict) -> dict:
-    """The keywords of a call of ``model`` (the packed forward's), checked for context parallelism.
-
-    Without it, a shard is refused. With it: every rank's shard, row and normaliser are compared
-    in one small all-gather (each mismatch the same ``ValueError`` on every rank), the row is laid
-    out (:class:`RowLayout`, under :data:`ROW_LAYOUT`) and ``num_items_in_batch`` divided by ``W``.
-
-    Args:
-        model: the transformers model the packed forward runs (not a wrapper).
-        kwargs: the call's keywords.
-
-    Returns:
-        The keywords for the rest of the forward (a new dict, the shard record removed).
-    """
-    state = getattr(model, STATE_ATTRIBUTE, None)
-    record = kwargs.get(SHARD)
-    if state is None:
-        if record is not None:
-            raise ValueError(
-                f"this batch is one rank's shard (collators.shard_batch, rank {record.rank} of "
-                f"{record.world_size}), but context parallelism is not enabled on this "
-                f"{type(model).__name__}: call enable_context_parallel(model) on every rank, or "
-                "pass the whole batch"
-            )
-        return kwargs
-    kwargs = {key: value for key, value in kwargs.items() if key != SHARD}
-    world = state.world_size
-    if world == 1:
-        if record is not None and (record.world_size, record.rank) != (1, 0):
-            raise ValueError(
-                f"the shard was cut for rank {record.rank} of {record.world_size}, but this "
-                "context-parallel group has one rank: shard with collators.shard_batch(batch, 0, 1)"
-            )
-        return kwargs
-    options = dataclasses.replace(installation_of(model).loss.options, shift=False)
-    _check_facts(_gather_facts(state, record, kwargs, options), world)
-    position_ids = kwargs[POSITION_IDS]
-    kwargs[ROW_LAYOUT] = RowLayout.gather(
-        state.group, state.rank, world, position_ids, record.chunks
-    )
-    if kwargs.get(LABELS) is not None:
-        count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)
-        kwargs["num_items_in_batch"] = count.to(torch.float64) / world
-    return kwargs
-
-
-def check_first_call(model: nn.Module, kwargs: dict) -> None:
-    """After the first context-parallel call of ``model``: every attention module (one with
-    ``is_causal``, transformers' attention contract) went through the context-parallel attention.
-    A family whose attention calls its own function sees this rank's shard only; every rank
-    computes the same modules, so every rank raises the same error.
-
-    Raises:
-        ValueError: naming the attention modules that bypassed transformers' attention interface.
-    """
-    state = getattr(model, STATE_ATTRIBUTE, None)
-    layout = kwargs.get(ROW_LAYOUT)
-    if state is None or state.checked or layout is None:
-        return
-    bypassed = sorted(
-        {
-            type(module).__name__
-            for module in model.modules()
-            if hasattr(module, "is_causal") and module not in layout.reached
-        }
-    )
-    if bypassed:
-        raise ValueError(
-            f"{type(model).__name__}'s attention {bypassed} does not go through transformers' "
-            "attention interface, so context parallelism cannot replace it: each rank would "
-            "attend over its own shard only"
-        )
-    state.checked = True
 
 
 def _gather_facts(

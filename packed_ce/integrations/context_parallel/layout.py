@@ -43,7 +43,7 @@ class RowLayout:
         spans: the row's conversations as ``(start, end)`` row indices, read on first use
             (:meth:`conversations`).
         reached: the attention modules whose attention this layout computed (a family's own
-            attention function would not: ``install.check_first_call``).
+            attention function would not: ``ContextParallel.finish``).
     """
 
     group: object
@@ -80,6 +80,14 @@ class RowLayout:
         documents = sequence_ids(positions, None, positions)[0][rows]  # back to gather order
         mine = slice(rank * local, (rank + 1) * local)
         return cls(group, rank, world_size, rows, documents, rows[mine], documents[mine], order)
+
+    def in_row_order(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` ``(L, ...)`` of every rank in row order, ``(T, ...)``; differentiable (the
+        backward sums every rank's gradient into its owner's tokens).
+        """
+        from .gather import gather_tokens
+
+        return gather_tokens(local, self)[self.order]
 
     def conversations(self) -> list[tuple[int, int]]:
         """The row's conversations as ``(start, end)`` row indices (one copy to the host, once)."""
