@@ -54,7 +54,7 @@ SHARD = "context_parallel_shard"
 ROW_LAYOUT = "packed_ce_row_layout"
 
 # The trainers' evaluation batches: each example's token count, (B,) int64, to find the copies
-# accelerate adds to the last batch (packed_ce.integrations.evaluation).
+# accelerate adds to the last batch (packed_ce.integrations.trainers.evaluation).
 EXAMPLE_TOKENS = "example_tokens"
 
 

@@ -13,7 +13,7 @@ import torch
 
 # The default model: the Llama of packed_ce.integrations.tiny_causal_lm (2 layers, hidden 64),
 # small enough to train a few steps on a laptop CPU in seconds.
-from packed_ce.integrations.tiny import TINY_FIELDS
+from packed_ce.integrations.model.tiny import TINY_FIELDS
 
 
 def tiny_config(

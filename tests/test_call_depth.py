@@ -80,5 +80,5 @@ def test_compute_loss_reaches_the_kernel_in_at_most_eight_hops(tmp_path, monkeyp
     assert len(recorder.stacks) == 1  # one launch: loss and gradient in one pass
     hops = library_hops(recorder.stacks[0], "compute_loss")
     assert len(hops) <= MAX_HOPS, "\n".join(hops)
-    assert hops[0] == "packed_ce/integrations/trainer.py:compute_loss"
+    assert hops[0] == "packed_ce/integrations/trainers/transformers_trainer.py:compute_loss"
     assert hops[-1] == "packed_ce/kernels/cross_entropy.py:launch"

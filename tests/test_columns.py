@@ -57,8 +57,8 @@ def test_a_new_column_kind_needs_the_table_only(monkeypatch):
     import torch
 
     from collators.sharding import shard_for_rank
-    from packed_ce.integrations.sft_data import SequenceColumns
-    from packed_ce.integrations.trainer import EXACT_FLOAT_KEYS
+    from packed_ce.integrations.trainers.trl_data import SequenceColumns
+    from packed_ce.integrations.trainers.transformers_trainer import EXACT_FLOAT_KEYS
 
     assert EXACT_FLOAT_KEYS == ("seq_weights",)  # the table's float columns
     extra = columns.SequenceColumn("temperature", "seq_temperatures", "float64", 1.0, "refuse", "temperature",

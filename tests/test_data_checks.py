@@ -1,4 +1,4 @@
-"""The trainers' data checks (packed_ce/integrations/data_checks.py): every weight 0, empty data
+"""The trainers' data checks (packed_ce/integrations/trainers/data_checks.py): every weight 0, empty data
 sets, conversations without a target (named by row, or skipped with ``skip_no_assistant=True``
 and the rest trained exactly), rows whose labels do not match their tokens.
 

@@ -272,7 +272,7 @@ def sft_steps(backend: str, out_dir: str, parallel: str) -> dict:
     The trainer's loss runs through the fused head, which reads ``lm_head.weight`` outside the
     head's own forward: under ZeRO-3 that weight is a partition until DeepSpeed gathers it on
     that read."""
-    from packed_ce.integrations.installation import installation_of
+    from packed_ce.integrations.model.installation import installation_of
 
     trainer = sft_trainer(backend, out_dir, parallel)
     assert installation_of(trainer.model).fused_options is not None

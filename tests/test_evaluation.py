@@ -263,7 +263,7 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
     from torch.utils.data import BatchSampler, SequentialSampler
 
     from packed_ce.columns import EXAMPLE_TOKENS
-    from packed_ce.integrations.copies import copies_layout, without_copies
+    from packed_ce.integrations.trainers.copies import copies_layout, without_copies
 
     for world in (2, 3):
         for per_process in (1, 2, 3):
@@ -292,7 +292,7 @@ def test_eval_set_without_length_over_processes_is_refused():
 
     from accelerate.data_loader import IterableDatasetShard
 
-    from packed_ce.integrations.copies import copies_layout
+    from packed_ce.integrations.trainers.copies import copies_layout
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -38,8 +38,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import packed_ce
 from collators import PackedCollator
 from packed_ce.integrations import apply_packed_loss
-from packed_ce.integrations.families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS, MIXERS
-from packed_ce.integrations.mixers import mixers_of
+from packed_ce.integrations.model.families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS, MIXERS
+from packed_ce.integrations.model.mixers import mixers_of
 
 from family_models import VOCAB, NotBuilt, supports, tiny_family_model
 from integration_utils import (
@@ -192,7 +192,7 @@ def test_flex_attention_masks_are_audited(family, monkeypatch):
     from transformers import masking_utils
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from packed_ce.integrations import packing_audit
+    from packed_ce.integrations.model import audit as packing_audit
 
     batch = packed_batch()
     starts = packing_audit._restarts(batch["position_ids"], tuple(batch["input_ids"].shape))

@@ -101,8 +101,8 @@ def test_trl_fused_lm_head_past_the_trainer_guard_is_refused(wrapper, tmp_path):
     installed forward that runs the decoder and trl's token mean) is refused by the decoder's
     pre-hook: on the model itself and inside a PEFT adapter, which calls ``forward`` directly."""
     trl = pytest.importorskip("trl")
-    from packed_ce.integrations.installation import base_model
-    from packed_ce.integrations.seams import RefuseOtherTrainers
+    from packed_ce.integrations.model.installation import base_model
+    from packed_ce.integrations.trainers.seams import RefuseOtherTrainers
 
     model = apply_packed_loss(tiny_model("llama", 3072))
     if wrapper == "peft":
@@ -122,7 +122,7 @@ def test_trl_fused_lm_head_keyword_is_refused(tmp_path):
     """The packed loss installed after trl's fused head: trl's ``fused_lm_head=True`` reaches the
     installed forward first and is refused there."""
     trl = pytest.importorskip("trl")
-    from packed_ce.integrations.seams import RefuseOtherTrainers
+    from packed_ce.integrations.trainers.seams import RefuseOtherTrainers
 
     model = tiny_model("llama", 3072)
     trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
@@ -143,7 +143,7 @@ def test_private_seams_exist_in_the_installed_versions(tmp_path):
     from datasets import Dataset
 
     from packed_ce.integrations import PackedSFTTrainer
-    from packed_ce.integrations.seams import PRIVATE_SEAMS
+    from packed_ce.integrations.trainers.seams import PRIVATE_SEAMS
 
     trainer = sft_trainer(PackedSFTTrainer, tiny_model("llama", 3072), tmp_path)
     assert isinstance(trainer, trl.SFTTrainer)
@@ -174,7 +174,7 @@ def test_global_changes_are_the_ledgers(one_rank_group):
     from transformers import AttentionInterface, trainer
 
     from packed_ce.integrations import disable_context_parallel, enable_context_parallel
-    from packed_ce.integrations.seams import GLOBAL_STATE, RefuseOtherTrainers
+    from packed_ce.integrations.trainers.seams import GLOBAL_STATE, RefuseOtherTrainers
 
     assert {where for where, *_ in GLOBAL_STATE} >= {"transformers.trainer.DEFAULT_CALLBACKS"}
     model = tiny_model("llama", 64)
@@ -194,7 +194,7 @@ def test_trl_extra_pins_the_tested_range():
     from packaging.specifiers import SpecifierSet
 
     trl = pytest.importorskip("trl")
-    from packed_ce.integrations.seams import TRL_TESTED
+    from packed_ce.integrations.trainers.seams import TRL_TESTED
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert f"trl{TRL_TESTED}" in pyproject["project"]["optional-dependencies"]["trl"]
@@ -353,7 +353,7 @@ def test_each_per_call_tensor_is_type_checked_once(without, monkeypatch):
     what it reads from elsewhere (counted by object over both type checks; the collator's
     ``cu_seq_lens_q`` is its ``cu_seqlens``, a copy here tells the two keys apart)."""
     from packed_ce import validation
-    from packed_ce.integrations import guards
+    from packed_ce.integrations.model import guards
 
     checked = []
 

@@ -17,7 +17,7 @@ import torch
 from collators import PackedCollator
 from integration_utils import IGNORE, synthetic_conversations, tiny_model
 from packed_ce.integrations import PackedCausalLMLoss, apply_packed_loss
-from packed_ce.integrations.loss import TOKEN_STATS_KEY
+from packed_ce.integrations.model.loss import TOKEN_STATS_KEY
 
 VOCAB = 8  # small: random labels of a random model still hit the top-1 class often
 

@@ -28,7 +28,7 @@ from packed_ce.integrations import (
     enable_context_parallel,
     remove_packed_loss,
 )
-from packed_ce.integrations.mixers import PerConversation, mixers_of
+from packed_ce.integrations.model.mixers import PerConversation, mixers_of
 
 from family_models import VOCAB, tiny_family_model
 from integration_utils import (

@@ -1,4 +1,4 @@
-"""The audit of a model's first packed call (``packed_ce/integrations/packing_audit.py``).
+"""The audit of a model's first packed call (``packed_ce/integrations/model/audit.py``).
 
 - the pairs it reads are every boundary query with every key of the sequence before (brute force);
 - it reads each mask form as the attention does: transformers' own sdpa (bool), eager (additive)
@@ -24,9 +24,9 @@ from transformers import masking_utils
 
 from collators import PackedCollator, PaddedCollator
 from packed_ce.integrations import apply_packed_loss, remove_packed_loss
-from packed_ce.integrations import packing_audit
-from packed_ce.integrations.installation import installation_of
-from packed_ce.integrations.packing_audit import _boundary_pairs, _flash_leak, _mask_leak
+from packed_ce.integrations.model import audit as packing_audit
+from packed_ce.integrations.model.installation import installation_of
+from packed_ce.integrations.model.audit import _boundary_pairs, _flash_leak, _mask_leak
 
 from family_models import tiny_family_model
 
@@ -260,7 +260,7 @@ def test_conversations_are_where_position_ids_restart():
 def test_a_token_mixer_no_table_knows_is_caught_by_the_probe(monkeypatch):
     """LFM2's short convolution without its MIXERS entry: no attention mask shows it, the probe of
     the first packed call does (B's logits change with the conversation before it)."""
-    from packed_ce.integrations import families
+    from packed_ce.integrations.model import families
 
     model = tiny_family_model("lfm2", "eager")
     monkeypatch.delitem(families.MIXERS, "Lfm2ShortConv")

@@ -436,7 +436,7 @@ def test_sequence_columns_check_each_example_as_the_collators_do():
     """PackedSFTTrainer's collator reads weights and sources with the collators' own checks: a
     packed row's one `weight` or `source` is refused (which sequence would it belong to?), per
     sequence values pass through, and target counts on only some rows are refused."""
-    from packed_ce.integrations.sft_data import SequenceColumns
+    from packed_ce.integrations.trainers.trl_data import SequenceColumns
 
     def trl_collator(examples):  # one padding-free row: the examples' sequences back to back
         lengths = [n for example in examples for n in example["seq_lengths"]]

@@ -9,13 +9,13 @@
 - :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
 """
 
-from .batch import count_num_items, next_token_targets, sequence_boundaries
 from .context_parallel import disable_context_parallel, enable_context_parallel
-from .forward import fusable_reason
-from .installation import packed_loss_of
-from .loss import PackedCausalLMLoss
-from .tiny import tiny_causal_lm
-from .transformers import apply_packed_loss, remove_packed_loss
+from .model.batch import count_num_items, next_token_targets, sequence_boundaries
+from .model.forward import fusable_reason
+from .model.install import apply_packed_loss, remove_packed_loss
+from .model.installation import packed_loss_of
+from .model.loss import PackedCausalLMLoss
+from .model.tiny import tiny_causal_lm
 
 __all__ = [
     "PackedCausalLMLoss",
@@ -36,11 +36,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "PackedTrainer":
-        from .trainer import PackedTrainer
+        from .trainers.transformers_trainer import PackedTrainer
 
         return PackedTrainer
     if name == "PackedSFTTrainer":
-        from .sft_trainer import PackedSFTTrainer
+        from .trainers.trl_trainer import PackedSFTTrainer
 
         return PackedSFTTrainer
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ from torch import nn
 
 from packed_ce.columns import ROW_LAYOUT
 
-from ..families import DROPOUT_FIELDS
+from ..model.families import DROPOUT_FIELDS
 from .gather import gather_tokens
 from .layout import RowLayout
 
@@ -31,7 +31,7 @@ def gather_row(
     ``(1, L, H, D)`` transposed, so the token-major views need no copy.
     """
     local = torch.stack((key[0].transpose(0, 1), value[0].transpose(0, 1)), dim=1)  # (L, 2, H, D)
-    gathered = gather_tokens(local, layout)  # (T, 2, Hkv, D)
+    gathered = gather_tokens(local, layout.group, layout.rank, layout.world_size)  # (T, 2, Hkv, D)
     return gathered[:, 0].transpose(0, 1)[None], gathered[:, 1].transpose(0, 1)[None]
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ...targets import sequence_ids
+from .gather import gather_tokens
 
 # Up to this many (query, key) pairs the dense boolean mask (16 MiB) is cheaper than building a
 # block mask; flex attention's kernels for fewer than 128 queries (its decoding kernels) also
@@ -85,9 +86,7 @@ class RowLayout:
         """``local`` ``(L, ...)`` of every rank in row order, ``(T, ...)``; differentiable (the
         backward sums every rank's gradient into its owner's tokens).
         """
-        from .gather import gather_tokens
-
-        return gather_tokens(local, self)[self.order]
+        return gather_tokens(local, self.group, self.rank, self.world_size)[self.order]
 
     def conversations(self) -> list[tuple[int, int]]:
         """The row's conversations as ``(start, end)`` row indices (one copy to the host, once)."""

@@ -1,7 +1,7 @@
 """What packed-ce knows of transformers' model families, in one place.
 
 A family is exact packed when every path by which it mixes tokens keeps each conversation to
-itself. Attention masks are read on the first packed call (``packing_audit.py``) and the whole
+itself. Attention masks are read on the first packed call (``audit.py``) and the whole
 model is probed there; what no mask shows is listed here:
 
 - :data:`MIXERS`: the token-mixing modules that are not attention (short convolutions, gated delta
@@ -14,7 +14,7 @@ model is probed there; what no mask shows is listed here:
 
 ``tests/test_families.py`` runs every causal-LM family of transformers and fails when a table and
 what a family does disagree. A new family that mixes tokens another way is caught by the probe of
-its first packed call (``packing_audit.py``) before it trains; teach it here.
+its first packed call (``audit.py``) before it trains; teach it here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a model does, not what its masks say: a conversation's logits must not depend on the one
 before it in the row.
 
-The masks a decoder layer receives are read by ``packing_audit.py``; a family can also mix tokens
+The masks a decoder layer receives are read by ``audit.py``; a family can also mix tokens
 by a path no mask shows (a convolution, a recurrence, a pooled block, a batch-wide router).
 :func:`probe`, on the first packed call of each attention implementation, runs the model's own
 forward (every packed-ce hook in place: per-conversation rotary embeddings and mixers) on two rows
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..columns import INPUT_IDS, POSITION_IDS
+from ...columns import INPUT_IDS, POSITION_IDS
 
 PROBE_TOKENS = 8  # each conversation's; longer than a short convolution's window
 # A leak counts when it exceeds this many times the noise (or the float type's rounding).

@@ -53,7 +53,7 @@ class Installation:
         mixers: the token mixers run per conversation and the decoder layers' hooks
             (``mixers.py``); empty for a family without mixers.
         audited: the attention implementations whose first packed call kept every conversation
-            apart (``packing_audit.py``).
+            apart (``audit.py``).
     """
 
     loss: PackedCausalLMLoss

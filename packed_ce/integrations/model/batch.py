@@ -17,8 +17,8 @@ from packed_ce.columns import (
     SHIFT_LABELS,
 )
 
-from ..options import LossOptions
-from ..targets import count_normaliser, prepare_targets
+from ...options import LossOptions
+from ...targets import count_normaliser, prepare_targets
 from .guards import BOUNDARIES_KEY
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 from transformers import TrainerCallback, trainer
 
-from .installation import packed_loss_of
+from ..model.installation import packed_loss_of
 
 # The trl versions PackedSFTTrainer was tested with: the ``trl`` extra of pyproject.toml (a test
 # keeps the two equal).

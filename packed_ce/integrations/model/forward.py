@@ -17,12 +17,12 @@ from torch import nn
 
 from packed_ce.columns import INPUT_IDS, LABELS, ROW_LAYOUT, SHIFT_LABELS
 
+from .audit import start_audit
 from .families import UNFUSABLE_CONFIG_FIELDS
 from .guards import checked_call, refuse_shard
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .mixers import with_boundaries
-from .packing_audit import start_audit
 from .rotary import with_row_positions
 
 
@@ -118,8 +118,8 @@ def _plain(tensor: torch.Tensor | None, name: str) -> torch.Tensor | None:
 def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: dict):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    from ..fused_linear import fused_linear_call
-    from ..options import split_keywords
+    from ...fused_linear import fused_linear_call
+    from ...options import split_keywords
 
     kwargs = dict(kwargs)
     labels = kwargs.pop(LABELS)

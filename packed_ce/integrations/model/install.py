@@ -8,7 +8,7 @@ setter stores an instance attribute, so one model gets its own loss without touc
 where their frequencies depend on the call (``rotary.py``), recorded in ``installation.py``;
 :func:`remove_packed_loss` undoes it exactly. Its first call imports ``transformers.trainer``
 (seconds): every Trainer created after it refuses a model with the packed loss unless it is a
-packed one (``seams.py``).
+packed one (``trainers/seams.py``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import functools
 
 from torch import nn
 
-from ..options import ChunkOptions
+from ...options import ChunkOptions
 from . import mixers, rotary
+from .audit import decoder_layers
 from .forward import PackedForward, fusable_reason, refuse_bypass
 from .installation import MISSING, Installation, base_model
 from .loss import PackedCausalLMLoss
-from .packing_audit import decoder_layers
 
 
 def apply_packed_loss(
@@ -110,7 +110,9 @@ def apply_packed_loss(
     installation.rotary_hooks = rotary.install(target)
     installation.mixers = mixers.install(target, [layer for _, layer in decoder_layers(target)])
     target._packed_ce = installation
-    from .seams import refuse_in_other_trainers  # imports transformers.Trainer: seconds, once
+    from ..trainers.seams import (
+        refuse_in_other_trainers,  # imports transformers.Trainer: seconds, once
+    )
 
     refuse_in_other_trainers()
     return model

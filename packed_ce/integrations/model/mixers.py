@@ -34,7 +34,7 @@ import threading
 import torch
 from torch import nn
 
-from ..columns import (
+from ...columns import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
@@ -43,7 +43,7 @@ from ..columns import (
     POSITION_IDS,
     ROW_LAYOUT,
 )
-from ..targets import position_restarts
+from ...targets import position_restarts
 from .families import MIXERS
 
 SEQ_IDX = "seq_idx"  # (B, T) int32: the conversation of each token (transformers' keyword)

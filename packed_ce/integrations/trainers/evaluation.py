@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..stats import SequenceLosses
+from ...stats import SequenceLosses
 
 
 def sequence_sums(

@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from ..cross_entropy import cross_entropy_call
-from ..options import Boundaries, LossOptions, changed_fields
-from ..stats import SequenceLosses, TokenStats
-from ..validation import checked_boundaries
+from ...cross_entropy import cross_entropy_call
+from ...options import Boundaries, LossOptions, changed_fields
+from ...stats import SequenceLosses, TokenStats
+from ...validation import checked_boundaries
 from .batch import sequence_boundaries
 from .guards import BOUNDARIES_KEY
 

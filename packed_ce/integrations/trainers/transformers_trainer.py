@@ -30,15 +30,15 @@ from packed_ce.columns import (
     source_names,
 )
 
-from ..pending import check_pending
-from .batch import count_num_items
-from .context_parallel import context_parallel_of, enable_context_parallel
-from .context_parallel.install import ContextParallel
+from ...pending import check_pending
+from ..context_parallel import context_parallel_of, enable_context_parallel
+from ..context_parallel.enable import ContextParallel
+from ..model.batch import count_num_items
+from ..model.installation import base_model, installation_of, packed_loss_of
+from ..model.loss import SEQ_LOSSES_KEY
 from .copies import CopiesLeftOut, ExampleTokens, Layout, copies_layout, without_copies
 from .data_checks import check_datasets
 from .evaluation import EvaluationSums, sequence_sums
-from .installation import base_model, installation_of, packed_loss_of
-from .loss import SEQ_LOSSES_KEY
 from .seams import ACCELERATE_PREPARED, CHECKED, RefuseOtherTrainers
 
 # Float batch keys that are data, not activations: under DeepSpeed the Trainer casts every float

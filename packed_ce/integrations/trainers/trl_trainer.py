@@ -27,15 +27,19 @@ from trl.trainer.utils import get_config_model_id
 
 from packed_ce.columns import ATTENTION_MASK, INPUT_IDS, source_names
 
-from ..stats import TokenStats
-from . import data_checks, sft_data
+from ...stats import TokenStats
+from ..model.forward import fusable_reason
+from ..model.install import apply_packed_loss
+from ..model.installation import base_model, installation_of, packed_loss_of
+from ..model.loss import TOKEN_STATS_KEY
+from . import data_checks, trl_data
 from .data_checks import check_datasets, skip_or_refuse_without_targets
-from .forward import fusable_reason
-from .installation import base_model, installation_of, packed_loss_of
-from .loss import TOKEN_STATS_KEY
 from .seams import warn_if_untested_trl
-from .trainer import PackedNormaliserMixin, refuse_prediction_metrics, refuse_token_mean_options
-from .transformers import apply_packed_loss
+from .transformers_trainer import (
+    PackedNormaliserMixin,
+    refuse_prediction_metrics,
+    refuse_token_mean_options,
+)
 
 _SIGNATURE = inspect.signature(SFTTrainer.__init__)
 
@@ -120,7 +124,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             fused = fusable_reason(base_model(self.model)) is None
             apply_packed_loss(self.model, is_packed=True, fused_linear=fused)
         self._check_packed_setup()
-        self.data_collator = sft_data.SequenceColumns(self.data_collator, self.padding_free)
+        self.data_collator = trl_data.SequenceColumns(self.data_collator, self.padding_free)
 
     def _router_loss(self) -> float:
         """TRL's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
@@ -130,18 +134,18 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         """TRL's preparation, with this trainer's packing and, where needed, its labels.
 
         Without generation markers, ``assistant_only_loss`` data is tokenised by
-        :func:`sft_data.assistant_labels` first; with ``packing=True`` the rows come from
-        :func:`sft_data.pack`, which carries ``weight`` and ``source`` to every piece. Rows packed
+        :func:`trl_data.assistant_labels` first; with ``packing=True`` the rows come from
+        :func:`trl_data.pack`, which carries ``weight`` and ``source`` to every piece. Rows packed
         already (``seq_lengths``) are used as they are, under ``packing=True`` or ``False``
-        (:func:`sft_data.packed_rows`).
+        (:func:`trl_data.packed_rows`).
         """
-        if sft_data.is_packed(dataset):  # rows of collators.pack_dataset, packed-ce pack, ...
-            return sft_data.packed_rows(
+        if trl_data.is_packed(dataset):  # rows of collators.pack_dataset, packed-ce pack, ...
+            return trl_data.packed_rows(
                 dataset, f"{name}_dataset", type(self).__name__, self.padding_free
             )
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
         if self._own_assistant_labels and is_conversational(next(iter(dataset))):
-            dataset = sft_data.assistant_labels(dataset, processing_class, map_kwargs)
+            dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
             given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
@@ -171,7 +175,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             dataset, processing_class, whole, False, formatting_func, name
         )
         unpacked = self._without_targets(unpacked, name)
-        return sft_data.pack(unpacked, args.max_length, args.packing_strategy)
+        return trl_data.pack(unpacked, args.max_length, args.packing_strategy)
 
     def _without_targets(self, prepared, name: str):
         """The prepared rows, checked for a target each (trl's truncation, an empty completion):

@@ -35,10 +35,10 @@ from packed_ce.columns import (
 
 from ...options import LossOptions
 from ...targets import count_normaliser
-from ..families import EXACT_LAYER_TYPES
-from ..installation import CONTEXT_PARALLEL, base_model, installation_of
-from ..mixers import mixers_of
-from ..rotary import batch_dependent
+from ..model.families import EXACT_LAYER_TYPES
+from ..model.installation import CONTEXT_PARALLEL, base_model, installation_of
+from ..model.mixers import mixers_of
+from ..model.rotary import batch_dependent
 from .attention import ATTENTION_NAME, attention
 from .layout import RowLayout
 
