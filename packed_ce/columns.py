@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .weights import conversation_weight, weight_array
+from .weights import check_weight_range, conversation_weight, weight_array
 
 IGNORE_INDEX = -100  # a label that is no target (PyTorch's and transformers' value)
 
@@ -106,6 +106,9 @@ class SequenceColumn:
         check: ``check(value, name)``, one value checked (an error naming ``name``) and returned.
         check_values: ``check_values(values, name)``, the same for many at once (vectorised: a data
             set column's), returning an array; default: ``check`` on each.
+        check_together: ``check_together(values, where, data_name)``, what a data set's values must
+            be together (weights: not all 0, within a ratio the loss carries), ``where(i)`` naming
+            value ``i``; None: nothing.
     """
 
     column: str | None
@@ -116,6 +119,7 @@ class SequenceColumn:
     what: str
     check: Callable[[Any, str], Any]
     check_values: Callable[[Any, str], np.ndarray] | None = None
+    check_together: Callable[[np.ndarray, Callable[[int], str], str], None] | None = None
 
     def values(self, values, name: str):
         """Per-sequence ``values`` (list, array or tensor), checked: a ``dtype`` array or a list."""
@@ -179,6 +183,7 @@ WEIGHTS = SequenceColumn(
     "weight",
     conversation_weight,
     weight_array,
+    check_weight_range,
 )
 SOURCES = SequenceColumn(SOURCE_COLUMN, SEQ_SOURCES, None, None, "pad", "source", _check_source)
 # Every per-sequence column of rows and batches, in the order rows carry them (the lengths first,

@@ -75,6 +75,31 @@ def test_every_weight_zero_is_refused_naming_the_data_set(kind, tmp_path):
         TRAINERS[kind](tiny_causal_lm(VOCAB), Dataset.from_list(rows), tmp_path)
 
 
+@pytest.mark.parametrize(
+    "column, values, error, match",
+    [
+        ("weight", [1.0, 2.0, -1.0], ValueError, r"`train_dataset\[2\]\['weight'\]` must be finite and >= 0"),
+        ("weight", [True, False, True], TypeError, r"`train_dataset\[0\]\['weight'\]` must be a real number"),
+        ("source", [3, 5, 7], TypeError, r"`train_dataset\[0\]\['source'\]` must be None or a string"),
+        ("seq_weights", [[1.0], [1.0, float("nan")], [2.0]], ValueError,
+         r"`train_dataset\[1\]\['seq_weights'\]` must be finite and >= 0, got nan at index 1"),
+    ],
+    ids=["negative weight", "bool weight", "number source", "packed NaN weight"],
+)
+def test_each_per_conversation_column_is_checked_naming_its_row(column, values, error, match, tmp_path):
+    """The columns of the table (``packed_ce.columns.SEQUENCE_COLUMNS``), each checked as the
+    collators check it, before the trainer is built."""
+    rows = synthetic_conversations([12, 9, 14], VOCAB, seed=3)
+    if column == "seq_weights":  # packed rows of one, two and one conversations
+        rows = [rows[0], {"input_ids": rows[1]["input_ids"] + rows[2]["input_ids"],
+                          "labels": rows[1]["labels"] + rows[2]["labels"], "seq_lengths": [9, 14]},
+                {**rows[2], "seq_lengths": [14]}]
+        rows[0]["seq_lengths"] = [12]
+    rows = [{**row, column: value} for row, value in zip(rows, values)]
+    with pytest.raises(error, match=match):
+        packed_trainer(tiny_causal_lm(VOCAB), Dataset.from_list(rows), tmp_path)
+
+
 @pytest.mark.parametrize("kind", TRAINERS)
 def test_an_empty_data_set_is_refused_by_name(kind, tmp_path):
     empty = Dataset.from_dict({"input_ids": [], "labels": []})

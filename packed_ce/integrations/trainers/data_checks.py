@@ -15,16 +15,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from collators.checks import targets_per_sequence
-from packed_ce.columns import (
-    INPUT_IDS,
-    LABELS,
-    SEQ_LENGTHS,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
-    SOURCE_COLUMN,
-    WEIGHT_COLUMN,
-)
-from packed_ce.weights import check_weight_range, conversation_weight, weight_array
+from packed_ce.columns import INPUT_IDS, LABELS, SEQ_LENGTHS, SEQ_TARGETS, SEQUENCE_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -70,44 +61,43 @@ def each_dataset(argument, name: str, check: Callable):
 
 
 def check_columns(dataset, name: str) -> None:
-    """Checks the optional ``weight`` / ``seq_weights`` and ``source`` columns of a data set, row by
-    row.
+    """Checks the per-conversation columns of a data set (``packed_ce.columns.SEQUENCE_COLUMNS``):
+    ``weight`` / ``source`` one value per row, ``seq_weights`` / ``seq_sources`` / ``seq_targets``
+    of packed rows one per sequence, each value as the column checks it and all of a column
+    together (weights: not all 0, within a ratio the loss carries).
 
     Args:
         dataset: a ``datasets.Dataset`` (an ``IterableDataset`` is not read here).
         name: how the data set is called in errors (``train_dataset``).
 
     Raises:
-        TypeError / ValueError naming the row: a weight not a real number, NaN, infinite, negative
-            or not carried exactly (:func:`packed_ce.weights.check_weight_range`), a source not a
-            string; naming the data set when every weight is 0.
+        TypeError / ValueError naming the row (and the sequence of a packed row): a weight not a
+            real number, NaN, infinite, negative or not carried exactly, a source not a string;
+            naming the data set when every weight is 0.
     """
     columns = getattr(dataset, "column_names", None) or []
-    if WEIGHT_COLUMN in columns:
-        weights = [
-            conversation_weight(weight, f"{name}[{row}][{WEIGHT_COLUMN!r}]")
-            for row, weight in enumerate(dataset[WEIGHT_COLUMN])
-        ]
-        check_weight_range(np.array(weights), lambda i: f"{name}[{i}][{WEIGHT_COLUMN!r}]", name)
-    if SEQ_WEIGHTS in columns:  # rows packed by collators.pack_dataset: one per sequence
-        per_row = [
-            weight_array(values, f"{name}[{row}]['seq_weights']")
-            for row, values in enumerate(dataset[SEQ_WEIGHTS])
-        ]
-        rows = np.repeat(np.arange(len(per_row)), [len(values) for values in per_row])
-        starts = np.searchsorted(rows, rows)  # each weight's index within its row: i - starts[i]
-        check_weight_range(
-            np.concatenate(per_row) if per_row else np.zeros(0),
-            lambda i: f"{name}[{rows[i]}]['seq_weights'][{i - starts[i]}]",
-            name,
-        )
-    if SOURCE_COLUMN in columns:
-        for row, source in enumerate(dataset[SOURCE_COLUMN]):
-            if not isinstance(source, str):
-                raise TypeError(
-                    f"`{name}[{row}][{SOURCE_COLUMN!r}]` must be a string naming the "
-                    f"conversation's data source, got {type(source).__name__} {source!r}."
-                )
+    for column in SEQUENCE_COLUMNS:
+        found = []  # (values, where) of the per-conversation and the packed rows' column
+        if column.column in columns:
+            values = [
+                column.check(value, f"{name}[{row}][{column.column!r}]")
+                for row, value in enumerate(dataset[column.column])
+            ]
+            found.append((values, lambda i, c=column.column: f"{name}[{i}][{c!r}]"))
+        if column.key in columns:  # rows packed by collators.pack_dataset: one per sequence
+            per_row = [
+                column.values(values, f"{name}[{row}][{column.key!r}]")
+                for row, values in enumerate(dataset[column.key])
+            ]
+            rows = np.repeat(np.arange(len(per_row)), [len(values) for values in per_row])
+            starts = np.searchsorted(rows, rows)  # each value's index in its row: i - starts[i]
+            values = [value for row_values in per_row for value in row_values]
+            found.append(
+                (values, lambda i, k=column.key: f"{name}[{rows[i]}][{k!r}][{i - starts[i]}]")
+            )
+        if column.check_together is not None:
+            for values, where in found:
+                column.check_together(np.asarray(values, dtype=np.float64), where, name)
 
 
 def check_not_empty(dataset, name: str) -> None:
