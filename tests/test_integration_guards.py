@@ -150,12 +150,16 @@ def test_private_seams_exist_in_the_installed_versions(tmp_path):
     model = tiny_model("llama", 64)
     model.loss_function = model.loss_function  # the property's setter stores the instance's own
     from accelerate import Accelerator
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.nn.attention.flex_attention import create_block_mask
 
     # accelerate's mark lives on the model it prepared (in evaluation mode, as evaluate() does)
     prepared = Accelerator(cpu=True).prepare_model(torch.nn.Linear(1, 1), evaluation_mode=True)
+    sampler = BatchSamplerShard(torch.utils.data.BatchSampler(range(4), 2, False), 2, 0)
+    block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 4, 4, device="cpu", _compile=False)
     instances = {"SFTTrainer": trainer, "Trainer": trainer, "PreTrainedModel": model,
                  "PretrainedConfig": model.config, "Dataset": Dataset.from_dict({"a": [1]}),
-                 "Accelerator": prepared}  # fmt: skip
+                 "Accelerator": prepared, "BatchSamplerShard": sampler, "BlockMask": block_mask}  # fmt: skip
     for seam in PRIVATE_SEAMS:
         module, _, attribute = seam.owner.rpartition(".")
         owner = getattr(importlib.import_module(module), attribute)

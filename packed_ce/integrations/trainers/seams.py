@@ -3,7 +3,8 @@ globally, each in one place.
 
 The trainers and the model integration override a private method or read a private attribute
 only where no public hook serves; :data:`PRIVATE_SEAMS` lists every such name (trl,
-transformers, datasets), with the parameters of each method, checked against :data:`CHECKED`.
+transformers, datasets, accelerate, torch), with the parameters of each method, checked against
+:data:`CHECKED`.
 :data:`GLOBAL_STATE` lists every process-wide change and why it stays.
 ``tests/test_integration_guards.py`` fails when a name is gone or a method's parameters changed in
 the installed version (an override of a method that is no longer called, or called otherwise,
@@ -125,6 +126,46 @@ PRIVATE_SEAMS = (
         "DDP (the trainers' train); accelerate has no public way to prepare it again",
     ),
     Seam(
+        "accelerate.data_loader.BatchSamplerShard",
+        "process_index",
+        "with num_processes, batch_size, split_batches, drop_last and even_batches (checked "
+        "alike): where accelerate completes an epoch's last batch with copies of its first "
+        "examples, left out of the step and of eval_loss (copies.py); accelerate says where "
+        "nowhere else",
+    ),
+    *(
+        Seam("accelerate.data_loader.BatchSamplerShard", name, "as process_index")
+        for name in ("num_processes", "batch_size", "split_batches", "drop_last", "even_batches")
+    ),
+    Seam(
+        "accelerate.state.GradientState",
+        "remainder",
+        "the real examples of the last batch, read with end_of_dataloader when the loader hands "
+        "that batch over (copies.py)",
+    ),
+    Seam("accelerate.state.GradientState", "end_of_dataloader", "as remainder"),
+    Seam(
+        "torch._dynamo._trace_wrapped_higher_order_op",
+        "TransformGetItemToIndex",
+        "how flex attention itself evaluates a mask_mod on index tensors; the audit reads a "
+        "BlockMask's partial blocks through it (model/audit.py)",
+    ),
+    *(
+        Seam(
+            "torch.nn.attention.flex_attention.BlockMask",
+            name,
+            "the blocks of a flex-attention mask, read by the audit pair by pair",
+        )
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "BLOCK_SIZE",
+            "mask_mod",
+        )
+    ),
+    Seam(
         "datasets.Dataset",
         "_fingerprint",
         "the data's identity in the keys of the pack and "
@@ -163,6 +204,12 @@ GLOBAL_STATE = (
         "a thread-local count of packed forwards running",
         "0 outside a "
         "forward: the decoder's pre-hook tells a call through the packed forward from one past it",
+    ),
+    (
+        "model.mixers._layers",
+        "a thread-local stack of the decoder layer calls running",
+        "empty outside a forward: a mixer its layer calls without keywords finds the batch's "
+        "boundaries in its layer's call",
     ),
     (
         "pending",
