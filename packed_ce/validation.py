@@ -5,6 +5,17 @@
 - Values: one path, :func:`check_values`, one record (:mod:`packed_ce.records`), now or deferred
   (:func:`packed_ce.check_pending`).
 
+The layers of checks, outermost first; each checks what enters there and nothing twice:
+
+1. a data set before tokenisation (``integrations/trainers/data_checks.py``, over
+   :data:`packed_ce.columns.SEQUENCE_COLUMNS`) and each collated example (``collators/checks.py``);
+2. a model call (``integrations/model/guards.py``), its first packed call per attention
+   implementation (``model/audit.py``, ``model/probe.py``) and, under context parallelism, each
+   rank's shard (``integrations/context_parallel/enable.py``);
+3. a loss call's options, once when built (:class:`packed_ce.options.LossOptions`), and its
+   tensors' metadata (this module);
+4. their values (this module and :mod:`packed_ce.records`).
+
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
 
