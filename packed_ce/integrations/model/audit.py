@@ -44,7 +44,6 @@ from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
-    INPUT_IDS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
@@ -52,7 +51,7 @@ from packed_ce.columns import (
 )
 
 from .families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
-from .guards import packed_boundaries
+from .guards import call_tokens, packed_boundaries
 from .probe import probe
 
 # Additive mask values at or below this mask their key: exp(-1e4) is 0 in every float type.
@@ -171,11 +170,7 @@ def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
         return None
     boundaries, labelled_positions = packed_boundaries(kwargs)
     positions = kwargs.get(POSITION_IDS)
-    tokens = kwargs.get(INPUT_IDS)
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    if tokens is None and args:
-        tokens = args[0]
+    tokens = call_tokens(args, kwargs)
     if (boundaries is None and labelled_positions is None) or not isinstance(tokens, torch.Tensor):
         return None
     if tokens.dim() < 2:

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from packed_ce.columns import INPUT_IDS, LABELS, ROW_LAYOUT, SHIFT_LABELS
+from packed_ce.columns import LABELS, ROW_LAYOUT, SHIFT_LABELS
 
 from .audit import start_audit
 from .families import UNFUSABLE_CONFIG_FIELDS
-from .guards import checked_call, refuse_shard
+from .guards import call_tokens, checked_call, refuse_shard
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .mixers import with_boundaries
@@ -167,12 +167,8 @@ def _as_they_are(kwargs: dict, shape: tuple[int, int]) -> dict:
 
 
 def _tokens_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """``(B, T)`` of a call's ``input_ids`` (or ``inputs_embeds``, or its first argument)."""
-    tokens = kwargs.get(INPUT_IDS)
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    if tokens is None and args:
-        tokens = args[0]
+    """``(B, T)`` of a call's tokens (:func:`call_tokens`), ``(0, 0)`` without them."""
+    tokens = call_tokens(args, kwargs)
     return (
         tuple(tokens.shape[:2])
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2

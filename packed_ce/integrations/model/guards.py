@@ -47,6 +47,18 @@ def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
     )
 
 
+def call_tokens(args: tuple, kwargs: dict) -> Any:
+    """A model call's tokens: its ``input_ids``, else ``inputs_embeds``, else its first positional
+    argument (None when it has none).
+    """
+    tokens = kwargs.get(INPUT_IDS)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    if tokens is None and args:
+        tokens = args[0]
+    return tokens
+
+
 def checked_call(args: tuple, kwargs: dict) -> dict:
     """The keywords of a call of a model with the packed loss, kept on the packed objective.
 
@@ -135,11 +147,7 @@ def _restarts_inside_rows(args, kwargs, boundaries, positions) -> bool:
     if boundaries is not None:
         if not isinstance(boundaries, torch.Tensor):
             return False
-        tokens = kwargs.get(INPUT_IDS)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        if tokens is None and args:
-            tokens = args[0]
+        tokens = call_tokens(args, kwargs)
         width = tokens.shape[1] if tokens is not None and tokens.dim() >= 2 else None
         if width is None:
             return True

@@ -116,8 +116,16 @@ def with_boundaries(kwargs: dict, shape: tuple[int, int]) -> dict:
         return kwargs
     if all(len(row) == 1 for row in spans):
         return kwargs
-    index = [[i for i, (start, end) in enumerate(row) for _ in range(end - start)] for row in spans]
-    seq_idx = torch.tensor(index, dtype=torch.int32, device=device)  # (B, T)
+    # (B, T) int32: conversation i over its columns, built per conversation, not per token
+    seq_idx = torch.stack(
+        [
+            torch.repeat_interleave(
+                torch.arange(len(row), dtype=torch.int32),
+                torch.tensor([end - start for start, end in row]),
+            )
+            for row in spans
+        ]
+    ).to(device)
     setattr(seq_idx, SPANS_ATTRIBUTE, spans)
     added = {SEQ_IDX: seq_idx}
     if rows == 1 and cumulative is None:
@@ -258,10 +266,12 @@ def spans_of(boundaries: torch.Tensor, rows: int, *, restart: bool) -> list[list
         else:
             starts = torch.ones_like(values, dtype=torch.bool)
             starts[:, 1:] = values[:, 1:] != values[:, :-1]
-        found = []
-        for row in starts.cpu().tolist():  # the one copy to the host
-            cuts = [column for column, start in enumerate(row) if start] + [len(row)]
-            found.append(list(zip(cuts[:-1], cuts[1:])))
+        # the one copy to the host: (row, column) of each start, not the (B, T) flags
+        cuts = [[] for _ in range(starts.shape[0])]
+        for row, column in torch.stack(starts.nonzero(as_tuple=True), dim=1).tolist():
+            cuts[row].append(column)  # each row's first column is a start
+        width = starts.shape[1]
+        found = [list(zip(row, row[1:] + [width])) for row in cuts]
         setattr(boundaries, SPANS_ATTRIBUTE, found)
     return found * rows if len(found) == 1 and rows > 1 else found
 
