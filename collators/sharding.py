@@ -31,8 +31,8 @@ from packed_ce.columns import (
     SEQUENCE_COLUMNS,
     SHARD,
     SHIFT_LABELS,
+    position_restarts,
 )
-from packed_ce.targets import position_restarts
 
 from .checks import positive_int, targets_per_sequence
 

@@ -12,23 +12,34 @@ The public surface:
 - :mod:`packed_ce.integrations`: the loss inside transformers models and the Trainer.
 """
 
-from .cross_entropy import PackedCrossEntropyLoss, cross_entropy
-from .fused_linear import FusedLinearPackedCrossEntropyLoss, fused_linear_cross_entropy
-from .options import ChunkOptions, LossOptions
-from .pending import check_pending
-from .stats import SequenceLosses, TokenStats
-from .targets import count_normaliser
+import importlib
 
-__all__ = [
-    "cross_entropy",
-    "PackedCrossEntropyLoss",
-    "fused_linear_cross_entropy",
-    "FusedLinearPackedCrossEntropyLoss",
-    "LossOptions",
-    "ChunkOptions",
-    "count_normaliser",
-    "TokenStats",
-    "SequenceLosses",
-    "check_pending",
-]
+# Each public name -> the module defining it, imported on first use: ``import collators`` (which
+# reads the batch contract, packed_ce.columns) loads none of the loss, the kernels or triton.
+_PUBLIC = {
+    "cross_entropy": "logits_loss",
+    "PackedCrossEntropyLoss": "logits_loss",
+    "fused_linear_cross_entropy": "fused_linear",
+    "FusedLinearPackedCrossEntropyLoss": "fused_linear",
+    "LossOptions": "options",
+    "ChunkOptions": "options",
+    "count_normaliser": "targets",
+    "TokenStats": "stats",
+    "SequenceLosses": "stats",
+    "check_pending": "pending",
+}
+__all__ = list(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

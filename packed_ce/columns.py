@@ -52,6 +52,26 @@ MAX_LENGTH_K = "max_length_k"
 SHARD = "context_parallel_shard"
 # A context-parallel call's row layout (who holds which tokens), handed to every layer.
 ROW_LAYOUT = "packed_ce_row_layout"
+# A packed model call's conversations (packed_ce.layout.PackedLayout), handed to every layer and
+# to the loss; built by the packed forward from the public keys above.
+LAYOUT = "packed_ce_layout"
+
+
+def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where sequences start under transformers' rule: each row's first token, and wherever
+    ``position_ids[t] != position_ids[t - 1] + 1``.
+
+    Args:
+        position_ids: ``(B, T)`` or ``(T,)`` integer.
+
+    Returns:
+        ``(B * T,)`` bool, True at each sequence's first token.
+    """
+    positions = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    return starts.reshape(-1)
+
 
 # The trainers' evaluation batches: each example's token count, (B,) int64, to find the copies
 # accelerate adds to the last batch (packed_ce.integrations.trainers.evaluation).

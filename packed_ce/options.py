@@ -191,6 +191,14 @@ class Boundaries:
     seq_targets: torch.Tensor | None = None
     seq_weights: torch.Tensor | None = None
 
+    def tensors(self) -> dict[str, Any]:
+        """The per-call tensors given (every field but ``num_items_in_batch`` that is not None)."""
+        return {
+            key: getattr(self, key)
+            for key in ("cu_seqlens", "position_ids", "seq_targets", "seq_weights")
+            if getattr(self, key) is not None
+        }
+
 
 LOSS_FIELDS = frozenset(field.name for field in dataclasses.fields(LossOptions))
 CHUNK_FIELDS = frozenset(field.name for field in dataclasses.fields(ChunkOptions))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .columns import position_restarts
 from .options import BOUNDARY_FIELDS, Boundaries, LossOptions, split_keywords
 from .records import own_targets
 from .validation import check_labels, check_tensor, checked_boundaries
@@ -31,22 +32,6 @@ class Targets:
 
     targets: torch.Tensor
     coef: torch.Tensor
-
-
-def position_restarts(position_ids: torch.Tensor) -> torch.Tensor:
-    """Where sequences start under transformers' rule: each row's first token, and wherever
-    ``position_ids[t] != position_ids[t - 1] + 1``.
-
-    Args:
-        position_ids: ``(B, T)`` or ``(T,)`` integer.
-
-    Returns:
-        ``(B * T,)`` bool, True at each sequence's first token.
-    """
-    positions = position_ids.reshape(-1, position_ids.shape[-1]).to(torch.int64)
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    return starts.reshape(-1)
 
 
 def sequence_ids(

@@ -102,7 +102,7 @@ def test_trl_fused_lm_head_past_the_trainer_guard_is_refused(wrapper, tmp_path):
     pre-hook: on the model itself and inside a PEFT adapter, which calls ``forward`` directly."""
     trl = pytest.importorskip("trl")
     from packed_ce.integrations.model.installation import base_model
-    from packed_ce.integrations.trainers.seams import RefuseOtherTrainers
+    from packed_ce.integrations.model.other_trainers import RefuseOtherTrainers
 
     model = apply_packed_loss(tiny_model("llama", 3072))
     if wrapper == "peft":
@@ -122,7 +122,7 @@ def test_trl_fused_lm_head_keyword_is_refused(tmp_path):
     """The packed loss installed after trl's fused head: trl's ``fused_lm_head=True`` reaches the
     installed forward first and is refused there."""
     trl = pytest.importorskip("trl")
-    from packed_ce.integrations.trainers.seams import RefuseOtherTrainers
+    from packed_ce.integrations.model.other_trainers import RefuseOtherTrainers
 
     model = tiny_model("llama", 3072)
     trainer = sft_trainer(trl.SFTTrainer, model, tmp_path)
@@ -157,7 +157,10 @@ def test_private_seams_exist_in_the_installed_versions(tmp_path):
     prepared = Accelerator(cpu=True).prepare_model(torch.nn.Linear(1, 1), evaluation_mode=True)
     sampler = BatchSamplerShard(torch.utils.data.BatchSampler(range(4), 2, False), 2, 0)
     block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, 4, 4, device="cpu", _compile=False)
+    checkpointed = tiny_model("llama", 64)
+    checkpointed.gradient_checkpointing_enable()
     instances = {"SFTTrainer": trainer, "Trainer": trainer, "PreTrainedModel": model,
+                 "GradientCheckpointingLayer": checkpointed.model.layers[0],
                  "PretrainedConfig": model.config, "Dataset": Dataset.from_dict({"a": [1]}),
                  "Accelerator": prepared, "BatchSamplerShard": sampler, "BlockMask": block_mask}  # fmt: skip
     for seam in PRIVATE_SEAMS:
@@ -178,7 +181,8 @@ def test_global_changes_are_the_ledgers(one_rank_group):
     from transformers import AttentionInterface, trainer
 
     from packed_ce.integrations import disable_context_parallel, enable_context_parallel
-    from packed_ce.integrations.trainers.seams import GLOBAL_STATE, RefuseOtherTrainers
+    from packed_ce.integrations.model.other_trainers import RefuseOtherTrainers
+    from packed_ce.integrations.trainers.seams import GLOBAL_STATE
 
     assert {where for where, *_ in GLOBAL_STATE} >= {"transformers.trainer.DEFAULT_CALLBACKS"}
     model = tiny_model("llama", 64)

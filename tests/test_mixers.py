@@ -13,13 +13,16 @@ two and three gloo ranks' shares add up to one process's, each rank's mixers gat
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from collators import PackedCollator, shard_batch
 from packed_ce.integrations import (
@@ -97,10 +100,11 @@ def test_every_batch_format_is_every_conversation_alone(family, name):
     assert_gradients_close(grads, expected_grads, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_gradient_checkpointing_recomputes_per_conversation(family):
-    """The recomputation in the backward finds the conversations again (in the mixer's own
-    call)."""
+    """The recomputation in the backward finds the conversations again: in the mixer's own call,
+    or (Jamba's layers call their mixer without keywords; transformers recomputes a layer past its
+    hooks) in the decoder layer's keywords."""
     model = built(family)
     expected_loss, expected_grads = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -111,16 +115,37 @@ def test_gradient_checkpointing_recomputes_per_conversation(family):
     assert_gradients_close(grads, expected_grads, rtol=1e-5)
 
 
-def test_a_mixer_called_without_boundaries_is_refused_checkpointed():
-    """Jamba's layers call their Mamba mixer without keywords: its boundaries come from the layer's
-    call, which transformers' checkpointing recomputes outside every hook. Refused by name before
-    any wrong gradient; exact without checkpointing (above)."""
-    model = built("jamba")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    apply_packed_loss(model, backend="torch")
+def test_a_mixer_whose_conversations_only_its_layer_knows_is_refused_checkpointed():
+    """A decoder layer that gets the row's position_ids but no keywords, and calls its mixer
+    without them: the packed row is found in the layer's call only, which a recomputation under
+    checkpointing (past the layer's hooks) could not find again. Refused by name before any wrong
+    gradient; found without checkpointing."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from packed_ce.integrations.model import mixers
+
+    class JambaMambaMixer(torch.nn.Module):  # a name of families.MIXERS: runs per conversation
+        def forward(self, hidden_states):
+            return hidden_states.cumsum(1)
+
+    class Layer(GradientCheckpointingLayer):
+        def __init__(self):
+            super().__init__()
+            self.mamba = JambaMambaMixer()
+
+        def forward(self, hidden_states, position_ids):
+            return self.mamba(hidden_states)
+
+    layer = Layer()
+    mixers.install(layer, [layer])
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    hidden = torch.ones(1, 5, 2)
+    assert layer(hidden, positions)[0, :, 0].tolist() == [1, 2, 3, 1, 2]
+    layer.gradient_checkpointing = True
+    layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
     with pytest.raises(ValueError, match="JambaMambaMixer is called without the batch's boundaries by its "
-                                         "JambaMambaDecoderLayer, which gradient checkpointing recomputes"):
-        model(**batch_format("position_ids only")).loss.backward()
+                                         "Layer, which gradient checkpointing recomputes"):
+        layer(hidden.requires_grad_(), positions)
 
 
 def test_copies_keep_the_mixers_and_remove_puts_them_back():
@@ -140,6 +165,128 @@ def test_copies_keep_the_mixers_and_remove_puts_them_back():
         if name in own:
             assert "forward" not in mixer.__dict__
     assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in model.modules())
+
+
+# --- the whole-row route: which route a row takes, and what its kernels receive -------------
+
+# family -> (the kernel's name in its modeling module, the keyword its cu_seqlens arrive under)
+KERNELS = {
+    "qwen3_5_text": ("torch_chunk_gated_delta_rule", "cu_seqlens"),
+    "kimi_linear": ("chunk_kimi_delta_attention", "cu_seqlens"),
+}
+
+
+def stand_in_kernel(own, calls: list):
+    """A varlen kernel as fla's takes it: one ``(1, N, ...)`` row and ``cu_seqlens``; computed as
+    transformers' PyTorch rule on each segment alone, and every call's row and boundaries
+    recorded."""
+
+    def kernel(query, key, value, g, beta, *, cu_seqlens=None, initial_state=None,
+               output_final_state=False, **kwargs):
+        calls.append((tuple(query.shape[:2]), None if cu_seqlens is None else cu_seqlens.tolist()))
+        assert cu_seqlens is not None and query.shape[0] == 1
+        cuts = cu_seqlens.tolist()
+        pieces = [
+            own(*(t[:, a:b] for t in (query, key, value, g, beta)), initial_state=None,
+                output_final_state=False, **{k: v for k, v in kwargs.items() if k == "use_qk_l2norm_in_kernel"})[0]
+            for a, b in zip(cuts[:-1], cuts[1:])
+        ]
+        return torch.cat(pieces, dim=1), None
+
+    return kernel
+
+
+@pytest.mark.parametrize("family", sorted(KERNELS))
+@pytest.mark.parametrize("name", ["PackedCollator", "two rows"])
+def test_with_the_kernels_installed_a_row_runs_whole_with_its_own_boundaries(family, name, monkeypatch):
+    """Where the kernels that keep conversations apart are installed (stood in for here: a varlen
+    rule computed per segment), every layer's mixer runs once per call on the whole batch
+    flattened into one row, with the layout's cu_seqlens; its short convolution is kept per
+    conversation by packed-ce (no causal-conv1d); loss and gradients are every conversation
+    alone."""
+    import sys
+
+    from packed_ce.integrations.model import mixers
+
+    model = built(family)
+    expected_loss, expected_grads = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
+    apply_packed_loss(model, backend="torch")
+    module = sys.modules[type(mixers_of(model)[0]).__module__]
+    function, _ = KERNELS[family]
+    calls = []
+    monkeypatch.setattr(module, function, stand_in_kernel(getattr(module, function), calls))
+    monkeypatch.setattr(mixers, "whole_row", lambda mixer, hidden: True)
+    batch = batch_format(name)
+    loss, grads = loss_and_gradients(model, lambda m: m(**batch).loss)
+    assert_loss_close(loss, expected_loss)
+    assert_gradients_close(grads, expected_grads, rtol=1e-5)
+    rows, width = batch["input_ids"].shape
+    cuts = [0, *torch.cumsum(torch.tensor(LENGTHS), 0).tolist()]
+    if name == "two rows":  # each row: two conversations, then its padding segment
+        first = cuts[2]
+        cuts = [0, cuts[1], first, width, width + cuts[3] - first, width + cuts[4] - first, 2 * width]
+    forward_calls = calls[-len(mixers_of(model)):]  # the call's (the first call's probe ran before)
+    assert forward_calls and all(call == ((1, rows * width), cuts) for call in forward_calls)
+
+
+def test_the_route_follows_the_installed_kernels(monkeypatch):
+    """A whole row needs every kernel package of the mixer's entry, on CUDA; a short convolution
+    needs none; a mixer no kernel can keep apart never runs whole."""
+    from types import SimpleNamespace
+
+    from packed_ce.integrations.model import convolution, mixers
+
+    model = built("qwen3_5_text")
+    delta, = mixers_of(model)
+    lfm2, = mixers_of(built("lfm2"))
+    jamba, = mixers_of(built("jamba"))
+    cuda, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    monkeypatch.setattr(convolution, "installed", lambda package: package == "fla")
+    assert mixers.whole_row(delta, cuda) and not mixers.whole_row(delta, cpu)
+    assert mixers.whole_row(lfm2, cpu) and not mixers.whole_row(jamba, cuda)
+    monkeypatch.setattr(convolution, "installed", lambda package: False)
+    assert not mixers.whole_row(delta, cuda)
+
+
+def test_a_row_run_per_conversation_says_once_what_would_run_it_whole():
+    from packed_ce.integrations.model import mixers
+
+    model = apply_packed_loss(built("qwen3_5_text"), backend="torch")
+    mixers._warned.discard("Qwen3_5GatedDeltaNet")
+    with pytest.warns(UserWarning, match="Qwen3_5GatedDeltaNet runs each conversation of a packed row alone "
+                                         r"\(exact, slower than the whole row\): on a CUDA device with fla"):
+        model(**batch_format("PackedCollator"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(**batch_format("PackedCollator"))
+
+
+def test_a_masked_convolution_is_each_conversation_alone():
+    """packed-ce's short convolution on a row (every tap of another conversation masked) against
+    the family's own on each conversation alone, value and gradients, float64."""
+    import torch.nn.functional as F
+
+    from packed_ce.integrations.model.convolution import masked_convolution
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 11, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(6, dtype=torch.float64, generator=gen, requires_grad=True)
+    seq_idx = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 2, 3, 3, 3], [0] * 4 + [1] * 7])
+    packed = masked_convolution(x, weight, bias, "silu", seq_idx)
+    alone = torch.zeros_like(packed)
+    for row in range(2):
+        for conversation in seq_idx[row].unique():
+            where = (seq_idx[row] == conversation).nonzero().flatten()
+            piece = x[row : row + 1, :, where]
+            own = F.conv1d(piece, weight[:, None], bias, padding=3, groups=6)[..., : len(where)]
+            alone[row, :, where] = F.silu(own[0])
+    torch.testing.assert_close(packed, alone, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(packed)
+    got = torch.autograd.grad(packed, (x, weight, bias), grad)
+    want = torch.autograd.grad(alone, (x, weight, bias), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 # --- context parallelism --------------------------------------------------------------------
@@ -217,3 +364,53 @@ def test_exact_on_cuda_in_float32_and_bfloat16(family):
             error = relative(grads, truth[dtype][1])
             print(f"{family} bfloat16: packed vs alone {error:.1e}, alone vs float32 {own_error:.1e}")
             assert error <= 2 * own_error + 1e-3
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "kimi_linear"])
+def test_inputs_refilled_in_place_are_split_as_they_are_now(family):
+    """A loop that refills its input tensors in place (static buffers, CUDA graphs): the second
+    step's conversations are the second step's, loss and every gradient."""
+    model = apply_packed_loss(built(family), backend="torch")
+    found = conversations()
+    buffers = PackedCollator()(found)
+    with torch.no_grad():
+        model(**buffers)
+    regrouped = [{k: found[0][k] + found[1][k] for k in ("input_ids", "labels")}, *found[2:]]
+    refill = PackedCollator()(regrouped)
+    for key in ("input_ids", "labels", "position_ids"):
+        buffers[key].copy_(refill[key])
+    batch = {k: buffers[k] for k in ("input_ids", "labels", "position_ids")}
+    expected_loss, expected_grads = loss_and_gradients(model, lambda m: one_at_a_time(m, regrouped))
+    loss, grads = loss_and_gradients(model, lambda m: m(**batch).loss)
+    assert_loss_close(loss, expected_loss)
+    assert_gradients_close(grads, expected_grads, rtol=1e-5)
+
+
+def test_every_short_convolution_packed_ce_keeps_apart_is_there():
+    """Each MIXERS class with a ``conv`` (a seam: trainers/seams.py) is defined next to that
+    module-level function in the installed transformers, and its forward hands it the call's
+    ``seq_idx`` (through ``**kwargs`` or by name): else the convolution would read across
+    conversations without a word."""
+    import re
+    from pathlib import Path
+
+    import transformers
+
+    from packed_ce.integrations.model.families import MIXERS
+
+    sources = {path: path.read_text() for path in Path(transformers.__file__).parent.glob("models/*/modeling_*.py")}
+    checked = 0
+    for name, mixer in MIXERS.items():
+        if mixer.conv is None:
+            continue
+        found = [text for text in sources.values() if f"class {name}(" in text]
+        if not found:
+            continue  # a family this transformers does not have
+        text = found[0]
+        body = text[text.index(f"class {name}("):]
+        body = body[: re.search(r"\n(class |@)", body[1:]).start() + 1] if re.search(r"\n(class |@)", body[1:]) else body
+        assert f"def {mixer.conv}(" in text, name
+        call = re.search(rf"{mixer.conv}\((.*?)\n\s*\)", body, re.S) or re.search(rf"{mixer.conv}\(([^\n]*)\)", body)
+        assert call and ("**kwargs" in call.group(1) or "seq_idx" in call.group(1)), name
+        checked += 1
+    assert checked >= 6

@@ -11,8 +11,9 @@
   unpacked batches still run exact; the refusal holds under gradient checkpointing, inside a PEFT
   adapter and on the fused-linear path, where an exact family stays exact (loss and gradients);
   ``remove_packed_loss`` leaves the layers' hooks as they were; conversations are where
-  ``position_ids`` restart, and a packed call without them is refused naming them; a token mixer
-  no table knows is caught by the probe of the first packed call.
+  ``position_ids`` restart, and a packed call without them gets those of its conversations; a token
+  mixer no table knows, and a model that mixes conversations far apart, only in training mode or
+  across rows, are caught by the probe of the first packed call.
 """
 
 from __future__ import annotations
@@ -231,13 +232,48 @@ def test_remove_packed_loss_leaves_the_layers_as_they_were():
     assert layer_hooks(model) == hooks and not hasattr(model, "_packed_ce")
 
 
-def test_missing_position_ids_are_named():
-    """``cu_seqlens`` without the collator's ``position_ids``: transformers' mask is causal over
-    the row, the refusal says which input to fix."""
+def test_a_call_without_position_ids_gets_its_conversations_positions():
+    """``cu_seqlens`` without the collator's ``position_ids``: the model gets the positions of the
+    call's conversations (what transformers' masks follow), exact, loss and every gradient."""
     batch = {k: v for k, v in packed_batch().items() if k != "position_ids"}
     model = apply_packed_loss(tiny_model("llama", VOCAB, attn="sdpa"))
-    with pytest.raises(ValueError, match="this call has no position_ids"):
-        model(**batch)
+    loss, grads = loss_and_gradients(model, lambda m: m(**batch).loss)
+    truth, truth_grads = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
+    assert_loss_close(loss, truth)
+    assert_gradients_close(grads, truth_grads)
+
+
+class Leak(torch.nn.Module):
+    """A tiny Llama's MLP plus a path no attention mask shows: ``far``, each token reads the one
+    20 tokens before it (further than a conversation of 8 tokens reaches); ``training``, a running
+    sum over the row in training mode only; ``rows``, the mean over the batch's rows."""
+
+    def __init__(self, inner: torch.nn.Module, kind: str):
+        super().__init__()
+        self.inner, self.kind = inner, kind
+
+    def forward(self, x):
+        y = self.inner(x)
+        if self.kind == "far":
+            return y + 0.5 * torch.nn.functional.pad(x, (0, 0, 20, 0))[:, : x.shape[1]]
+        if self.kind == "training" and self.training:
+            return y + 0.5 * x.cumsum(1) / x.shape[1]
+        if self.kind == "rows":
+            return y + 0.5 * x.mean(0, keepdim=True)
+        return y
+
+
+@pytest.mark.parametrize("kind", ["far", "training", "rows"])
+def test_the_probe_sees_what_a_training_step_does(kind):
+    """A model (remote code, say) that mixes conversations further apart than a short probe
+    reaches, only in training mode, or only across the rows of a batch: refused at its first
+    packed training call, before anything trains."""
+    model = tiny_model("llama", VOCAB)
+    model.model.layers[0].mlp = Leak(model.model.layers[0].mlp, kind)
+    apply_packed_loss(model, backend="torch").train()
+    with pytest.raises(ValueError, match=r"the logits of a conversation change by .*training mode"):
+        model(**packed_batch())
+    assert not installation_of(model).audited
 
 
 def test_conversations_are_where_position_ids_restart():
@@ -266,7 +302,7 @@ def test_a_token_mixer_no_table_knows_is_caught_by_the_probe(monkeypatch):
     monkeypatch.delitem(families.MIXERS, "Lfm2ShortConv")
     apply_packed_loss(model, backend="torch")
     with pytest.raises(ValueError, match=r"model_type='lfm2'.*the logits of a conversation change by .* when the "
-                                         r"conversation before it in the row changes"):
+                                         r"conversation before it in the row"):
         model(**packed_batch())
     monkeypatch.undo()
     apply_packed_loss(model, backend="torch")  # with its entry: run per conversation, exact

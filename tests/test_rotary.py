@@ -93,3 +93,21 @@ def test_context_parallelism_refuses_a_batch_dependent_rotary_embedding(one_rank
     model = apply_packed_loss(model_of("longrope"))
     with pytest.raises(ValueError, match="rope_type='longrope'.* chooses its frequencies"):
         enable_context_parallel(model)
+
+
+def test_a_second_call_whose_conversations_share_one_length_gets_their_own_frequencies():
+    """A first call leaves its longest conversation's frequencies on the module ("dynamic" keeps
+    the longest length it saw; "longrope" chooses again at every call); a second call whose
+    conversations all have one length must still get that length's frequencies, as each
+    conversation alone in a fresh model."""
+    rope = "dynamic"
+    first = synthetic_conversations([30, 9], VOCAB, seed=1)
+    second = synthetic_conversations([20, 20], VOCAB, seed=2)
+    model = model_of(rope)
+    expected_loss, expected_grads = alone(model, second)
+    apply_packed_loss(model, backend="torch")
+    with torch.no_grad():
+        model(**PackedCollator()(first))
+    actual_loss, actual_grads = loss_and_gradients(model, lambda m: m(**PackedCollator()(second)).loss)
+    assert_loss_close(actual_loss, expected_loss)
+    assert_gradients_close(actual_grads, expected_grads, rtol=1e-5)

@@ -78,7 +78,7 @@ def _dense(query, keys, values, mask, scaling, softcap, sinks) -> torch.Tensor:
 
 
 # flex_attention compiled once per process and shared by every model (eager flex attention
-# materialises the (L, T) scores); see integrations/seams.py, GLOBAL_STATE.
+# materialises the (L, T) scores); see trainers/seams.py, GLOBAL_STATE.
 _compiled_flex_attention = None
 
 

@@ -44,6 +44,7 @@ from packed_ce.columns import (
     ATTENTION_MASK,
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
+    LAYOUT,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
@@ -51,7 +52,6 @@ from packed_ce.columns import (
 )
 
 from .families import LEAKY_FAMILIES, LEAKY_IMPLEMENTATIONS
-from .guards import call_tokens, packed_boundaries
 from .probe import probe
 
 # Additive mask values at or below this mask their key: exp(-1e4) is 0 in every float type.
@@ -63,7 +63,7 @@ UNPACKED = (
 _NOTHING = contextlib.nullcontext()
 
 
-def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forward, boundaries):
+def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forward, prepare):
     """A context to run a call of ``model`` in: its audit on the first packed call.
 
     Args:
@@ -71,8 +71,8 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forwa
         installation: its :class:`Installation` (``audited``: the implementations checked).
         args, kwargs: the call, as :func:`checked_call` left it (a packed call has no
             ``attention_mask`` and no cache).
-        forward, boundaries: the model's own forward and what the packed forward adds to a packed
-            call, for :func:`probe.probe`.
+        forward, prepare: the model's own forward and ``prepare(args, kwargs)``, the keywords the
+            packed forward gives it for a call, for :func:`probe.probe`.
 
     Returns:
         a no-op context, or on the first packed call of ``config._attn_implementation`` an
@@ -89,7 +89,7 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forwa
     if kwargs.get(ROW_LAYOUT) is not None:  # context parallelism's: its row layout keeps them apart
         installation.audited.add(implementation)
         return _NOTHING
-    starts = _sequence_starts(args, kwargs)
+    starts = _sequence_starts(kwargs)
     if starts is None:
         return _NOTHING
     family = getattr(model.config, "model_type", type(model).__name__)
@@ -116,7 +116,7 @@ def start_audit(model: nn.Module, installation, args: tuple, kwargs: dict, forwa
         )
     # probed before the call: its forwards between this call's forward and its backward would
     # change what a gradient-checkpointed recomputation saves
-    leak = probe(model, forward, kwargs, boundaries)
+    leak = probe(model, forward, kwargs, prepare)
     return _Audit(model, installation, layers, starts, kwargs, leak)
 
 
@@ -158,33 +158,19 @@ def _elsewhere(model: nn.Module) -> str:
     )
 
 
-def _sequence_starts(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """``(B, T)`` bool, True at the first token of every conversation that starts after column 0;
-    None for a call that is not packed. Costs one host sync, until the audit passes.
-
-    Conversations are where ``position_ids`` restart (what transformers' masks follow); without
-    them the boundaries of ``cu_seqlens`` / ``cu_seq_lens_q``. Not ``cu_seqlens`` beside
-    ``position_ids``: a context-parallel shard splits a conversation there for its loss.
+def _sequence_starts(kwargs: dict) -> torch.Tensor | None:
+    """``(B, T)`` bool, True at the first token of every conversation that starts after column 0
+    (the call's :class:`~packed_ce.layout.PackedLayout`); None for a call that is not packed or
+    keeps a cache or a mask (which the guard refuses where they would mix conversations).
     """
     if kwargs.get(ATTENTION_MASK) is not None or kwargs.get("past_key_values") is not None:
         return None
-    boundaries, labelled_positions = packed_boundaries(kwargs)
-    positions = kwargs.get(POSITION_IDS)
-    tokens = call_tokens(args, kwargs)
-    if (boundaries is None and labelled_positions is None) or not isinstance(tokens, torch.Tensor):
+    layout = kwargs.get(LAYOUT)
+    if layout is None or not layout.packed:
         return None
-    if tokens.dim() < 2:
-        return None
-    rows, width = tokens.shape[:2]
-    if isinstance(positions, torch.Tensor):
-        starts = _restarts(positions.to(tokens.device), (rows, width))
-    elif isinstance(boundaries, torch.Tensor):
-        starts = torch.zeros(rows * width, dtype=torch.bool, device=tokens.device)
-        inside = boundaries.to(device=tokens.device, dtype=torch.int64)
-        starts[inside[(inside > 0) & (inside < rows * width)]] = True
-        starts = starts.view(rows, width)
-    else:
-        return None
+    starts = torch.zeros(layout.position_ids.numel() + 1, dtype=torch.bool, device=layout.device)
+    starts[layout.cu_seqlens.to(torch.int64)] = True
+    starts = starts[:-1].view(layout.shape)
     starts[:, 0] = False
     return starts if bool(starts.any()) else None
 

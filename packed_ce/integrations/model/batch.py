@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from packed_ce.columns import (
-    CU_SEQ_LENS_Q,
-    CU_SEQLENS,
     LABELS,
-    POSITION_IDS,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
+    LAYOUT,
     SHIFT_LABELS,
 )
+from packed_ce.layout import loss_boundaries
 
 from ...options import LossOptions
 from ...targets import count_normaliser, prepare_targets
-from .guards import BOUNDARIES_KEY
 
 
 def sequence_boundaries(
@@ -33,30 +30,16 @@ def sequence_boundaries(
         is_packed: whether ``seq_targets`` matter.
 
     Returns:
-        Keywords of :func:`packed_ce.cross_entropy`, from ``cu_seqlens`` (with ``seq_targets``
-        and ``seq_weights``), else what :func:`apply_packed_loss`'s forward handed on, else
-        ``cu_seq_lens_q``, else ``position_ids``, else one sequence per row. Non-tensors are
-        passed on, for the loss to refuse by name.
+        Keywords of :func:`packed_ce.cross_entropy` (:func:`packed_ce.layout.loss_boundaries`):
+        from ``cu_seqlens`` (with ``seq_targets`` and ``seq_weights``), else what the packed
+        forward's layout carries, else ``cu_seq_lens_q``, else ``position_ids``, else one sequence
+        per row.
     """
-
-    def on_device(value):  # anything but a tensor is refused by name where the loss checks it
-        return value.to(labels.device) if isinstance(value, torch.Tensor) else value
-
-    handed = batch.get(BOUNDARIES_KEY)  # the packed forward's, already found
-    source = batch if handed is None else handed
-    if source.get(CU_SEQLENS) is not None:
-        keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
-        found = {key: on_device(source[key]) for key in keys if source.get(key) is not None}
-        return {CU_SEQLENS: on_device(source[CU_SEQLENS]), **found}
-    if handed is not None:
-        return {POSITION_IDS: on_device(handed[POSITION_IDS])}
-    if batch.get(CU_SEQ_LENS_Q) is not None:
-        return {CU_SEQLENS: on_device(batch[CU_SEQ_LENS_Q])}
-    if batch.get(POSITION_IDS) is not None:
-        return {POSITION_IDS: on_device(batch[POSITION_IDS])}
-    rows = labels.shape[0] if labels.dim() == 2 else 1
-    row_length = labels.shape[-1] if labels.dim() else 0
-    return {CU_SEQLENS: torch.arange(rows + 1, device=labels.device) * row_length}
+    layout = batch.get(LAYOUT)
+    found = layout.loss if layout is not None else loss_boundaries(labels, batch)
+    if not is_packed:
+        found = dataclasses.replace(found, seq_targets=None)
+    return found.tensors()
 
 
 def next_token_targets(

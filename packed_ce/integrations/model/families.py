@@ -5,7 +5,8 @@ itself. Attention masks are read on the first packed call (``audit.py``) and the
 model is probed there; what no mask shows is listed here:
 
 - :data:`MIXERS`: the token-mixing modules that are not attention (short convolutions, gated delta
-  rules, state-space scans, linear attention), run per conversation (``mixers.py``);
+  rules, state-space scans, linear attention), each with what lets a packed row run whole
+  (``mixers.py``);
 - :data:`LEAKY_FAMILIES`, :data:`LEAKY_IMPLEMENTATIONS`: families packed-ce cannot keep apart,
   refused by name with the reason;
 - :data:`UNFUSABLE_CONFIG_FIELDS`: what the fused head cannot reproduce;
@@ -19,15 +20,37 @@ its first packed call (``audit.py``) before it trains; teach it here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 _STATE = "the state of the conversation before"
 
-# Token mixers (by class name) -> the packages whose kernels keep a row's conversations apart
-# given the call's ``seq_idx`` and ``cu_seq_lens_q`` (transformers passes them on through
-# ``**kwargs``): with all of them installed, on CUDA, one row runs whole; else (the CPU, a GPU
-# without them, a kernel that takes no boundary: ``()``) each conversation runs alone.
-MIXERS: dict[str, tuple[str, ...]] = {
-    # gated delta rule: a short convolution (causal_conv1d, seq_idx), then the rule (fla,
-    # cu_seqlens from cu_seq_lens_q)
+
+@dataclass(frozen=True)
+class Mixer:
+    """How a token mixer's packed row can run whole instead of one conversation at a time.
+
+    Attributes:
+        kernels: the packages whose CUDA kernels keep a row's conversations apart given the
+            boundaries transformers hands them (``seq_idx``, ``cu_seq_lens_q``); with all of them
+            installed one row runs whole on CUDA, else each conversation alone (a warning names
+            them). ``()``: no package needed (runs whole on any device); None: no kernel takes a
+            boundary, always per conversation.
+        conv: the family's module-level short convolution that packed-ce keeps within each
+            conversation itself (``convolution.py``), so that ``causal-conv1d`` is not needed.
+        boundary_keyword: the keyword that carries the row's ``cu_seqlens`` to the family's
+            kernel through the mixer's ``**kwargs`` (transformers' gated delta rules take
+            ``cu_seq_lens_q`` themselves: None).
+    """
+
+    kernels: tuple[str, ...] | None
+    conv: str | None = None
+    boundary_keyword: str | None = None
+
+
+# Token mixers by class name.
+_GATED_DELTA_RULE = Mixer(("fla",), conv="causal_conv1d_fn")
+MIXERS: dict[str, Mixer] = {
+    # a short convolution, then the gated delta rule (fla, cu_seqlens from cu_seq_lens_q)
     **dict.fromkeys(
         (
             "Qwen3_5GatedDeltaNet",
@@ -37,11 +60,14 @@ MIXERS: dict[str, tuple[str, ...]] = {
             "OlmoHybridGatedDeltaNet",
             "LaraMiniGatedDeltaNet",
         ),
-        ("causal_conv1d", "fla"),
+        _GATED_DELTA_RULE,
     ),
-    # Kimi delta attention: transformers gives its kernel no cu_seqlens
-    **dict.fromkeys(("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"), ()),
-    # Mamba 2: seq_idx into mamba_ssm's fused kernel, or causal_conv1d and the chunked scan
+    # Kimi delta attention: fla's chunk_kda takes the cu_seqlens the mixer's **kwargs carry
+    **dict.fromkeys(
+        ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention"),
+        Mixer(("fla",), conv="causal_conv1d_fn", boundary_keyword="cu_seqlens"),
+    ),
+    # Mamba 2: seq_idx into mamba_ssm's fused kernel (its PyTorch scan takes no boundary)
     **dict.fromkeys(
         (
             "NemotronHMamba2Mixer",
@@ -50,25 +76,25 @@ MIXERS: dict[str, tuple[str, ...]] = {
             "FalconH1Mixer",
             "Zamba2MambaMixer",
         ),
-        ("causal_conv1d", "mamba_ssm"),
+        Mixer(("causal_conv1d", "mamba_ssm")),
     ),
-    # Mamba 1: the selective scan takes no boundary
-    **dict.fromkeys(("JambaMambaMixer", "ZambaMambaMixer"), ()),
-    # short convolutions (seq_idx)
+    # short convolutions: packed-ce's own, on any device
     **dict.fromkeys(
-        ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"),
-        ("causal_conv1d",),
+        ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), Mixer((), conv="causal_conv1d_fn")
     ),
-    # linear attention, recurrences: no kernel takes a boundary
-    **dict.fromkeys(("MiniMaxLightningAttention", "RecurrentGemmaRecurrentBlock"), ()),
+    # Mamba 1's selective scan, linear attention, recurrences: no kernel takes a boundary
     **dict.fromkeys(
         (
+            "JambaMambaMixer",
+            "ZambaMambaMixer",
+            "MiniMaxLightningAttention",
+            "RecurrentGemmaRecurrentBlock",
             "Inkling2ShortConvolution",
             "Inkling2DynamicShortConvolution",
             "Inkling2LoopShortConvolution",
             "Inkling2LoopDynamicShortConvolution",
         ),
-        (),
+        Mixer(None),
     ),
 }
 

@@ -8,6 +8,7 @@ base model's ``forward`` directly (``self.model.forward(...)``), past the hooks 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import Callable
@@ -15,14 +16,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from packed_ce.columns import LABELS, ROW_LAYOUT, SHIFT_LABELS
+from packed_ce.columns import LABELS, LAYOUT, POSITION_IDS, ROW_LAYOUT, SHIFT_LABELS
 
 from .audit import start_audit
 from .families import UNFUSABLE_CONFIG_FIELDS
-from .guards import call_tokens, checked_call, refuse_shard
+from .guards import checked_call, refuse_shard
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
-from .mixers import with_boundaries
 from .rotary import with_row_positions
 
 
@@ -161,19 +161,24 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     return output if return_dict is not False else output.to_tuple()
 
 
-def _as_they_are(kwargs: dict, shape: tuple[int, int]) -> dict:
-    """A packed call of a family without mixers needs nothing beside its position_ids."""
+def prepared(installation: Installation, args: tuple, kwargs: dict) -> dict:
+    """A call's keywords as the model's own forward gets them: checked (:func:`checked_call`,
+    which lays the call out); a packed call without ``position_ids`` (``cu_seqlens`` only) with
+    its conversations' (what transformers' masks and rotary embeddings follow); a hybrid family's
+    packed call with the keywords its mixers' kernels read from the layout (``seq_idx``, and for
+    one row the varlen keywords); a padded call with each row's own positions where rotary
+    embeddings depend on the call.
+    """
+    kwargs = checked_call(args, kwargs)
+    layout = kwargs.get(LAYOUT)
+    if layout is not None and layout.packed and kwargs.get(POSITION_IDS) is None:
+        if POSITION_IDS in inspect.signature(installation.forward).parameters:
+            kwargs = {**kwargs, POSITION_IDS: layout.position_ids}
+    if installation.mixers and layout is not None and layout.packed and ROW_LAYOUT not in kwargs:
+        kwargs = {**kwargs, **layout.row_keywords()}
+    if installation.rotary_hooks:
+        kwargs = with_row_positions(kwargs)
     return kwargs
-
-
-def _tokens_shape(args: tuple, kwargs: dict) -> tuple[int, int]:
-    """``(B, T)`` of a call's tokens (:func:`call_tokens`), ``(0, 0)`` without them."""
-    tokens = call_tokens(args, kwargs)
-    return (
-        tuple(tokens.shape[:2])
-        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
-        else (0, 0)
-    )
 
 
 class PackedForward:
@@ -209,20 +214,16 @@ class PackedForward:
             refuse_shard(model, kwargs)
         else:
             kwargs = context_parallel.prepare(model, kwargs)
-        kwargs = checked_call(args, kwargs)
-        if installation.mixers and ROW_LAYOUT not in kwargs:
-            kwargs = with_boundaries(kwargs, _tokens_shape(args, kwargs))
-        if installation.rotary_hooks:
-            kwargs = with_row_positions(kwargs)
+        kwargs = prepared(installation, args, kwargs)
         labels = kwargs.get(LABELS)
         fused = installation.fused_options is not None
         fused = fused and not args and labels is not None and model.training
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
             own = _own_forward(model, installation)
-            added = with_boundaries if installation.mixers else _as_they_are
             calls = installation.loss.calls
-            with start_audit(model, installation, args, kwargs, own, added):
+            prepare = functools.partial(prepared, installation)
+            with start_audit(model, installation, args, kwargs, own, prepare):
                 if fused:  # the loss from the hidden states, past the model's loss_function
                     output = _fused_linear_forward(model, installation, kwargs)
                 else:

@@ -13,23 +13,22 @@ from packed_ce.columns import (
     CU_SEQLENS,
     INPUT_IDS,
     LABELS,
+    LAYOUT,
     POSITION_IDS,
     SEQ_TARGETS,
     SEQ_WEIGHTS,
     SHARD,
 )
+from packed_ce.layout import PackedLayout
 
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
 MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
-# The loss's own per-call tensors, carried past the model under BOUNDARIES_KEY: a mixer that
-# hands its **kwargs to a kernel takes cu_seqlens for its own (transformers' gated delta rule:
-# "got multiple values for keyword argument 'cu_seqlens'"; its CPU fallback refuses it).
+# The loss's own per-call tensors: type-checked here, then carried to the loss by the call's
+# layout (LAYOUT) and left out of the model's keywords: a mixer that hands its **kwargs to a kernel
+# takes cu_seqlens for its own (transformers' gated delta rule: "got multiple values for keyword
+# argument 'cu_seqlens'").
 LOSS_TENSORS = (CU_SEQLENS, SEQ_TARGETS, SEQ_WEIGHTS)
-# The loss's boundaries: ``{"cu_seqlens": ..., "seq_targets": ..., "seq_weights": ...}`` of the
-# batch, else ``{"cu_seqlens": cu_seq_lens_q}`` or ``{"position_ids": ...}`` (the forward consumes
-# position_ids). Attention ignores the keyword.
-BOUNDARIES_KEY = "packed_ce_boundaries"
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
@@ -66,13 +65,14 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
       the packed loss: refused, :class:`PackedSFTTrainer` is the fix.
     - A packed batch (see :func:`_exact_packed_call`) runs without a KV cache and without an
       all-ones ``attention_mask``, either of which would make its sequences attend to each other.
-    - the loss's tensors (:data:`LOSS_TENSORS`; without ``cu_seqlens``, ``cu_seq_lens_q`` or else
-      ``position_ids``) are handed to it under :data:`BOUNDARIES_KEY`.
+    - A call with boundaries (``position_ids``, ``cu_seqlens``, ``cu_seq_lens_q``) gets its
+      :class:`~packed_ce.layout.PackedLayout` under :data:`~packed_ce.columns.LAYOUT`, built once
+      here; the loss's tensors (:data:`LOSS_TENSORS`) travel in it.
 
     Returns:
         the keywords to call the model's forward with (a new dict where any changed).
     """
-    for key in MODEL_TENSORS:
+    for key in (*MODEL_TENSORS, *LOSS_TENSORS):
         batch_tensor(kwargs, key)
     if kwargs.get("fused_lm_head"):
         raise ValueError(
@@ -81,16 +81,14 @@ def checked_call(args: tuple, kwargs: dict) -> dict:
             "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
         )
     kwargs = _exact_packed_call(args, kwargs)
-    if kwargs.get(CU_SEQLENS) is not None:
-        found = {
-            key: batch_tensor(kwargs, key) for key in LOSS_TENSORS if kwargs.get(key) is not None
-        }
-        kwargs = {key: value for key, value in kwargs.items() if key not in LOSS_TENSORS}
-        return {**kwargs, BOUNDARIES_KEY: found}
-    if kwargs.get(LABELS) is not None:
-        for key, argument in ((CU_SEQ_LENS_Q, CU_SEQLENS), (POSITION_IDS, POSITION_IDS)):
-            if kwargs.get(key) is not None:
-                return {**kwargs, BOUNDARIES_KEY: {argument: kwargs[key]}}
+    tokens = call_tokens(args, kwargs)
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+        return kwargs
+    layout = PackedLayout.of_call(kwargs, tuple(tokens.shape[:2]))
+    if layout is None:
+        return kwargs
+    kwargs = {key: value for key, value in kwargs.items() if key not in LOSS_TENSORS}
+    kwargs[LAYOUT] = layout
     return kwargs
 
 
@@ -129,12 +127,10 @@ def _exact_packed_call(args: tuple, kwargs: dict) -> dict:
 
 
 def packed_boundaries(kwargs: dict) -> tuple[Any, Any]:
-    """A call's sequence boundaries: ``cu_seqlens`` (of the batch or handed to the loss; else
-    ``cu_seq_lens_q``) and, with ``labels``, ``position_ids``; None where absent.
+    """A call's sequence boundaries: ``cu_seqlens`` (else ``cu_seq_lens_q``) and, with ``labels``,
+    ``position_ids``; None where absent.
     """
     boundaries = kwargs.get(CU_SEQLENS)
-    if boundaries is None:
-        boundaries = (kwargs.get(BOUNDARIES_KEY) or {}).get(CU_SEQLENS)
     if boundaries is None:
         boundaries = kwargs.get(CU_SEQ_LENS_Q)
     return boundaries, kwargs.get(POSITION_IDS) if kwargs.get(LABELS) is not None else None

@@ -8,7 +8,7 @@ setter stores an instance attribute, so one model gets its own loss without touc
 where their frequencies depend on the call (``rotary.py``), recorded in ``installation.py``;
 :func:`remove_packed_loss` undoes it exactly. Its first call imports ``transformers.trainer``
 (seconds): every Trainer created after it refuses a model with the packed loss unless it is a
-packed one (``trainers/seams.py``).
+packed one (``other_trainers.py``).
 """
 
 from __future__ import annotations
@@ -110,9 +110,7 @@ def apply_packed_loss(
     installation.rotary_hooks = rotary.install(target)
     installation.mixers = mixers.install(target, [layer for _, layer in decoder_layers(target)])
     target._packed_ce = installation
-    from ..trainers.seams import (
-        refuse_in_other_trainers,  # imports transformers.Trainer: seconds, once
-    )
+    from .other_trainers import refuse_in_other_trainers  # imports transformers.Trainer: seconds
 
     refuse_in_other_trainers()
     return model
@@ -148,7 +146,7 @@ def remove_packed_loss(model: nn.Module) -> nn.Module:
         installation.decoder_hook.remove()
     for hook in installation.rotary_hooks:
         hook.remove()
-    mixers.uninstall(installation.mixers)
+    mixers.uninstall(installation.mixers, [layer for _, layer in decoder_layers(target)])
     if installation.previous_loss_function is MISSING:
         del target._loss_function
     else:

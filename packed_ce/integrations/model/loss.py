@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from ...cross_entropy import cross_entropy_call
+from ...columns import LAYOUT
+from ...layout import loss_boundaries
+from ...logits_loss import cross_entropy_call
 from ...options import Boundaries, LossOptions, changed_fields
 from ...stats import SequenceLosses, TokenStats
 from ...validation import checked_boundaries
-from .batch import sequence_boundaries
-from .guards import BOUNDARIES_KEY
 
 # Model-call keywords: keep the call's TokenStats / SequenceLosses for take_token_stats() /
 # take_seq_losses() (attention functions ignore keywords they do not know).
@@ -117,19 +117,25 @@ class PackedCausalLMLoss:
         """Targets, boundaries and options of the packed loss for one model call.
 
         Returns:
-            ``(targets, boundaries, options)``: the labels on ``device``, the boundaries of
-            ``kwargs`` (type-checked unless the guard did), the options with ``shift`` and
+            ``(targets, boundaries, options)``: the labels on ``device``, the boundaries of the
+            call's layout (else of ``kwargs``, type-checked here), the options with ``shift`` and
             ``changes``.
         """
         shift = shift_labels is None
         targets = (labels if shift else shift_labels).to(device)
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(device)
-        found = sequence_boundaries(targets, kwargs, is_packed=self.is_packed)
-        checked = kwargs.get(BOUNDARIES_KEY) is not None  # by the guard, where they entered
-        boundaries = (Boundaries if checked else checked_boundaries)(
-            num_items_in_batch=num_items_in_batch, **found
-        )
+        layout = kwargs.get(LAYOUT)  # the packed forward's, type-checked where it was built
+        if layout is not None:
+            boundaries = dataclasses.replace(
+                layout.loss, num_items_in_batch=num_items_in_batch, **_on(device, layout.loss)
+            )
+        else:
+            boundaries = checked_boundaries(
+                num_items_in_batch=num_items_in_batch, **loss_boundaries(targets, kwargs).tensors()
+            )
+        if not self.is_packed:
+            boundaries = dataclasses.replace(boundaries, seq_targets=None)
         return targets, boundaries, dataclasses.replace(self.options, shift=shift, **changes)
 
     def __call__(
@@ -170,3 +176,8 @@ class PackedCausalLMLoss:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({changed_fields(self.options)})"
+
+
+def _on(device: torch.device, boundaries: Boundaries) -> dict:
+    """The tensors of ``boundaries`` moved to ``device`` (the logits', under model parallelism)."""
+    return {key: value.to(device) for key, value in boundaries.tensors().items()}

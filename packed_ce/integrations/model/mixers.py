@@ -3,33 +3,34 @@
 A hybrid family's short convolutions, gated delta rules and state-space scans (:data:`MIXERS`)
 read the tokens before each position in the row, whatever the attention mask says: packed, a
 conversation started from the state of the one before. Each such module's ``forward`` is replaced
-(undoably, by :func:`install`) with a :class:`PerConversation` that finds the call's conversations
-and
+(undoably, by :func:`install`) with a :class:`PerConversation` that reads the call's
+:class:`~packed_ce.layout.PackedLayout` and
 
-- with the kernels that take the boundaries installed (:data:`MIXERS`), on CUDA, one row: runs
-  the row whole, the call carrying ``seq_idx`` and ``cu_seq_lens_q`` (the packed forward adds them
-  from the batch's boundaries, ``guards.py``);
-- else (the CPU, a GPU without those kernels, a kernel that takes no boundary): runs the module
-  on each conversation alone, its per-token inputs sliced, and puts the outputs back in the row.
-  A mixer's output at a token depends on the tokens of its row up to it only, so this is every
-  conversation alone, exactly;
+- where the kernels that keep conversations apart are installed (:class:`families.Mixer`), runs
+  the call's rows whole, flattened into one row, in one call: the layout's ``seq_idx`` and
+  ``cu_seq_lens_q`` (and the family's own boundary keyword) reach the kernels, the short
+  convolution is kept per conversation by ``convolution.py``;
+- else runs the module on each conversation alone, its per-token inputs sliced, and puts the
+  outputs back in the row (a mixer's output at a token depends on the tokens of its row up to it
+  only, so this is every conversation alone, exactly), after one warning naming the packages that
+  would run the row whole;
 - under context parallelism: gathers its per-token inputs from the ranks, runs the row's
   conversations as above and keeps this rank's tokens (the gather's backward sums the ranks'
   gradients, as for keys and values).
 
-The conversations come from the mixer call's arguments (``seq_idx``, ``position_ids``, the row
-layout), else from the enclosing decoder layer's call, which hooks on the decoder layers record
-(Jamba's layers call their mixer without keywords; transformers' gradient checkpointing recomputes
-a layer outside its hooks, so such a layer is refused checkpointed). Each boundary tensor's spans
-are read to the host once and kept on it.
+The layout comes with the mixer's own call (transformers hands the model call's keywords on to
+the layers and most layers to their mixer), else from the enclosing decoder layer's call, which
+hooks on the decoder layers record (Jamba's layers call their mixer without keywords) and, under
+gradient checkpointing, where transformers recomputes a layer past its hooks, its checkpointing
+function records (:class:`Replayed`). Nothing derived from a call is kept for the next.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import threading
+import warnings
 
 import torch
 from torch import nn
@@ -38,28 +39,34 @@ from ...columns import (
     CU_SEQ_LENS_K,
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
+    LAYOUT,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
     POSITION_IDS,
     ROW_LAYOUT,
 )
-from ...targets import position_restarts
+from ...layout import SEQ_IDX, PackedLayout
+from . import convolution
 from .families import MIXERS
 
-SEQ_IDX = "seq_idx"  # (B, T) int32: the conversation of each token (transformers' keyword)
-# Keywords that tell a whole row's mixer where conversations start: dropped from a call on one
-# conversation, which has none inside.
-BOUNDARY_KEYS = (SEQ_IDX, CU_SEQ_LENS_Q, CU_SEQ_LENS_K, MAX_LENGTH_Q, MAX_LENGTH_K, CU_SEQLENS)
-
-# Where a mixer call's conversations are found, in this order: the row layout (context
-# parallelism), the conversation of each token, transformers' position_ids.
-KINDS = (("layout", ROW_LAYOUT), ("index", SEQ_IDX), ("positions", POSITION_IDS))
-# The innermost decoder layer call of this thread: its seq_idx, position_ids and row layout.
+# Keywords that tell a mixer where conversations start: dropped from a call on one conversation,
+# which has none inside, and replaced on a whole row's call by the layout's.
+BOUNDARY_KEYS = (
+    SEQ_IDX,
+    CU_SEQ_LENS_Q,
+    CU_SEQ_LENS_K,
+    MAX_LENGTH_Q,
+    MAX_LENGTH_K,
+    CU_SEQLENS,
+    LAYOUT,
+    ROW_LAYOUT,
+)
+# The innermost decoder layer call of this thread: its arguments by name.
 _layers = threading.local()
-# The attribute a boundary tensor keeps its conversations in, ((start, end) per conversation, per
-# row), read to the host once: it lives and dies with the tensor (a cache keyed by id() handed a
-# new tensor the spans of a dead one, and a WeakKeyDictionary compares tensors by value).
-SPANS_ATTRIBUTE = "_packed_ce_spans"
+# transformers' gradient-checkpointing function of a layer (trainers/seams.py lists it).
+CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
+# Mixer classes already warned about running per conversation (a warning, once per class).
+_warned: set[str] = set()
 
 
 def mixers_of(model: nn.Module) -> list[nn.Module]:
@@ -79,6 +86,9 @@ def install(model: nn.Module, layers: list[nn.Module]) -> list:
         return []
     for mixer in mixers:
         mixer.forward = PerConversation(mixer)
+        conv = MIXERS[type(mixer).__name__].conv
+        if conv is not None:
+            convolution.install(mixer, conv)
     hooks = []
     for layer in layers:
         hooks.append(layer.register_forward_pre_hook(_enter_layer, with_kwargs=True))
@@ -86,95 +96,113 @@ def install(model: nn.Module, layers: list[nn.Module]) -> list:
     return [*mixers, *hooks]
 
 
-def uninstall(installed: list) -> None:
-    """Undoes :func:`install`: the mixers' own forward, no layer hook."""
+def uninstall(installed: list, layers: list[nn.Module]) -> None:
+    """Undoes :func:`install`: the mixers' own forward, no layer hook, the ``layers``' own
+    checkpointing function.
+    """
     for item in installed:
         if isinstance(item, nn.Module):
             del item.forward
         else:
             item.remove()
+    for layer in layers:
+        own = getattr(layer, CHECKPOINT_FUNCTION, None)
+        if isinstance(own, Replayed):
+            setattr(layer, CHECKPOINT_FUNCTION, own.own)
 
 
-def with_boundaries(kwargs: dict, shape: tuple[int, int]) -> dict:
-    """A packed call's keywords with ``seq_idx`` (and, for one row, ``cu_seq_lens_q/k`` and
-    ``max_length_q/k``) from its ``position_ids`` or ``cu_seq_lens_q`` where it lacks them: what
-    the mixers' kernels and the decoder layers' calls carry the conversations by.
-
-    Args:
-        kwargs: the call's keywords (after the guard). shape: ``(B, T)`` of its tokens.
-    """
-    if kwargs.get(SEQ_IDX) is not None:
-        return kwargs
-    rows, width = shape
-    positions, cumulative = kwargs.get(POSITION_IDS), kwargs.get(CU_SEQ_LENS_Q)
-    if isinstance(positions, torch.Tensor) and positions.shape[-1] == width:
-        spans, device = spans_of(positions, rows, restart=True), positions.device
-    elif isinstance(cumulative, torch.Tensor) and rows == 1:
-        cuts = cumulative.tolist()
-        spans, device = [list(zip(cuts[:-1], cuts[1:]))], cumulative.device
-    else:
-        return kwargs
-    if all(len(row) == 1 for row in spans):
-        return kwargs
-    # (B, T) int32: conversation i over its columns, built per conversation, not per token
-    seq_idx = torch.stack(
-        [
-            torch.repeat_interleave(
-                torch.arange(len(row), dtype=torch.int32),
-                torch.tensor([end - start for start, end in row]),
-            )
-            for row in spans
-        ]
-    ).to(device)
-    setattr(seq_idx, SPANS_ATTRIBUTE, spans)
-    added = {SEQ_IDX: seq_idx}
-    if rows == 1 and cumulative is None:
-        cuts = [start for start, _ in spans[0]] + [width]
-        cumulative = torch.tensor(cuts, dtype=torch.int32, device=device)
-        longest = max(end - start for start, end in spans[0])
-        added.update(
-            {
-                CU_SEQ_LENS_Q: cumulative,
-                CU_SEQ_LENS_K: cumulative,
-                MAX_LENGTH_Q: longest,
-                MAX_LENGTH_K: longest,
-            }
-        )
-    return {**kwargs, **added}
+def whole_row(module: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether the installed kernels keep a packed call of ``module`` apart by themselves."""
+    kernels = MIXERS[type(module).__name__].kernels
+    if kernels is None:
+        return False
+    return not kernels or (hidden.is_cuda and all(map(convolution.installed, kernels)))
 
 
 def _enter_layer(layer: nn.Module, args: tuple, kwargs: dict) -> None:
-    stack = getattr(_layers, "stack", None)
-    if stack is None:
-        stack = _layers.stack = []
-    stack.append((layer, _bound(type(layer).forward, layer, args, kwargs)))
+    _push(layer, _bound(type(layer).forward, layer, args, kwargs))
+    own = getattr(layer, CHECKPOINT_FUNCTION, None)
+    if own is not None and not isinstance(own, Replayed):
+        setattr(layer, CHECKPOINT_FUNCTION, Replayed(layer, own))
 
 
 def _leave_layer(layer: nn.Module, args: tuple, output) -> None:
     _layers.stack.pop()
 
 
-def _call_boundaries(module: nn.Module, bound: dict) -> tuple[str | None, object]:
-    """Where a mixer call's conversations come from: ``("layout", RowLayout)`` under context
-    parallelism, ``("index", seq_idx)``, ``("positions", position_ids)``, or ``(None, None)``;
-    the call's own arguments first, then its decoder layer's call.
+def _push(layer: nn.Module, arguments: dict) -> None:
+    stack = getattr(_layers, "stack", None)
+    if stack is None:
+        stack = _layers.stack = []
+    stack.append((layer, arguments))
+
+
+class Replayed:
+    """A decoder layer's gradient-checkpointing function whose recomputation records the layer's
+    call as its hooks do: transformers recomputes a checkpointed layer's ``forward`` in the
+    backward, past the module hooks, with the keywords of the call (``partial(forward, self,
+    **kwargs)``), where a mixer called without keywords (Jamba's) finds the row's layout.
+    Installed by the layer's pre-hook (transformers sets the function when checkpointing is
+    enabled, before or after :func:`install`), removed by :func:`uninstall`.
+    """
+
+    def __init__(self, layer: nn.Module, own):
+        self.layer, self.own = layer, own
+
+    def __call__(self, function, *args, **kwargs):
+        return self.own(functools.partial(_replay, self.layer, function), *args, **kwargs)
+
+
+def _replay(layer: nn.Module, function, *args):
+    """``function(*args)`` (a checkpointed layer call) with the layer's keywords recorded, unless
+    its hook recorded the call already (the forward, not a recomputation).
+    """
+    stack = getattr(_layers, "stack", None)
+    if stack and stack[-1][0] is layer:
+        return function(*args)
+    _push(layer, dict(getattr(function, "keywords", None) or {}))
+    try:
+        return function(*args)
+    finally:
+        _layers.stack.pop()
+
+
+def _layouts_in(arguments: dict, shape: tuple[int, int]):
+    """``("row", RowLayout)``, ``("packed", PackedLayout)`` or None from a call's arguments (a
+    layer's ``position_ids`` give a layout of their own).
+    """
+    if arguments.get(ROW_LAYOUT) is not None:
+        return "row", arguments[ROW_LAYOUT]
+    if arguments.get(LAYOUT) is not None:
+        return "packed", arguments[LAYOUT]
+    if isinstance(arguments.get(POSITION_IDS), torch.Tensor):
+        layout = PackedLayout.of_call({POSITION_IDS: arguments[POSITION_IDS]}, shape)
+        return None if layout is None else ("packed", layout)
+    return None
+
+
+def _call_layout(module: nn.Module, bound: dict, shape: tuple[int, int]):
+    """Where a mixer call's conversations come from (:func:`_layouts_in`): its own arguments, then
+    its decoder layer's call (recorded by the hooks, or by :class:`Replayed` in a recomputation).
 
     Raises:
-        ValueError: for boundaries only the layer's call carries, in a gradient-checkpointed layer:
-            transformers recomputes its forward in the backward outside every module hook, where
-            they could not be found again.
+        ValueError: for a packed row found only in a gradient-checkpointed layer's
+            ``position_ids``, which a recomputation could not find again.
     """
-    sources = [(None, bound)]
+    found = _layouts_in(bound, shape)
+    if found is not None:
+        return found
     if getattr(_layers, "stack", None):
-        sources.append(_layers.stack[-1])
-    for layer, arguments in sources:
-        found = next(
-            ((kind, arguments[key]) for kind, key in KINDS if arguments.get(key) is not None),
-            None,
-        )
-        if found is None:
-            continue
-        if layer is not None and layer.training and getattr(layer, "gradient_checkpointing", False):
+        layer, arguments = _layers.stack[-1]
+        found = _layouts_in(arguments, shape)
+        handed = arguments.get(LAYOUT) is not None or arguments.get(ROW_LAYOUT) is not None
+        if (
+            found is not None
+            and not handed
+            and found[1].packed
+            and layer.training
+            and getattr(layer, "gradient_checkpointing", False)
+        ):
             raise ValueError(
                 f"{type(module).__name__} is called without the batch's boundaries by its "
                 f"{type(layer).__name__}, which gradient checkpointing recomputes where they "
@@ -182,7 +210,7 @@ def _call_boundaries(module: nn.Module, bound: dict) -> tuple[str | None, object
                 "or unpacked with it"
             )
         return found
-    return None, None
+    return None
 
 
 class PerConversation:
@@ -204,17 +232,20 @@ class PerConversation:
         own = type(module).forward.__get__(module)
         bound = _bound(type(module).forward, module, args, kwargs)
         hidden = next(v for v in bound.values() if isinstance(v, torch.Tensor))
-        kind, boundaries = _call_boundaries(module, bound)
-        if kind == "layout":
-            return self._gathered(own, bound, hidden, boundaries)
-        if kind is None or hidden.dim() < 2:
+        if hidden.dim() < 2:
             return own(*args, **kwargs)
-        spans = spans_of(boundaries, hidden.shape[0], restart=kind == "positions")
-        if all(len(row) == 1 for row in spans):
+        found = _call_layout(module, bound, tuple(hidden.shape[:2]))
+        if found is None:
+            return own(*args, **kwargs)
+        kind, layout = found
+        if kind == "row":
+            return self._gathered(own, bound, hidden, layout)
+        if not layout.packed:
             return own(*args, **kwargs)  # one conversation per row: nothing to keep apart
-        if _kernels_ready(module, hidden, bound):
-            return own(*args, **kwargs)
-        return _each_conversation(own, bound, hidden.shape[:2], spans)
+        if whole_row(module, hidden):
+            return _whole_row(own, bound, layout, MIXERS[type(module).__name__].boundary_keyword)
+        _warn_once(module)
+        return _each_conversation(own, bound, layout.shape, layout.spans)
 
     def _gathered(self, own, bound: dict, hidden: torch.Tensor, layout):
         """Context parallelism: the row's per-token inputs from every rank, each conversation
@@ -230,6 +261,24 @@ class PerConversation:
                 row[key] = value
         output = _each_conversation(own, row, (1, layout.order.numel()), [layout.conversations()])
         return _map_output(output, lambda table: table[:, layout.queries])
+
+
+def _warn_once(module: nn.Module) -> None:
+    name = type(module).__name__
+    if name in _warned:
+        return
+    _warned.add(name)
+    kernels = MIXERS[name].kernels
+    fast = (
+        f"on a CUDA device with {' and '.join(kernels)} installed the row runs whole"
+        if kernels
+        else "no installed kernel takes a conversation boundary for it"
+    )
+    warnings.warn(
+        f"{name} runs each conversation of a packed row alone (exact, slower than the whole "
+        f"row): {fast}",
+        stacklevel=3,
+    )
 
 
 def _bound(function, module: nn.Module, args: tuple, kwargs: dict) -> dict:
@@ -253,40 +302,34 @@ def _signature(function) -> inspect.Signature:
     return inspect.signature(function)
 
 
-def spans_of(boundaries: torch.Tensor, rows: int, *, restart: bool) -> list[list[tuple[int, int]]]:
-    """Each row's conversations as ``(start, end)`` columns, from ``(B or 1, T)`` boundaries:
-    ``position_ids`` (``restart``: transformers' rule) or a conversation index (``seq_idx``, a
-    conversation of the gathered row: a new one where it changes).
+def _whole_row(own, bound: dict, layout: PackedLayout, boundary_keyword: str | None):
+    """``own`` on the call's rows flattened into one ``(1, B T)`` row with the layout's varlen
+    keywords (and ``cu_seqlens`` under ``boundary_keyword``), the output back to ``(B, T, ...)``.
     """
-    found = getattr(boundaries, SPANS_ATTRIBUTE, None)
-    if found is None:
-        values = boundaries.reshape(-1, boundaries.shape[-1])
-        if restart:
-            starts = position_restarts(values).view(values.shape)
-        else:
-            starts = torch.ones_like(values, dtype=torch.bool)
-            starts[:, 1:] = values[:, 1:] != values[:, :-1]
-        # the one copy to the host: (row, column) of each start, not the (B, T) flags
-        cuts = [[] for _ in range(starts.shape[0])]
-        for row, column in torch.stack(starts.nonzero(as_tuple=True), dim=1).tolist():
-            cuts[row].append(column)  # each row's first column is a start
-        width = starts.shape[1]
-        found = [list(zip(row, row[1:] + [width])) for row in cuts]
-        setattr(boundaries, SPANS_ATTRIBUTE, found)
-    return found * rows if len(found) == 1 and rows > 1 else found
+    rows, width = layout.shape
+    call = {
+        key: _flat(value, rows, width) for key, value in bound.items() if key not in BOUNDARY_KEYS
+    }
+    call.update(layout.flat_keywords())
+    if boundary_keyword is not None:
+        call[boundary_keyword] = layout.cu_seqlens
+    output = own(**call)
+    if rows == 1:
+        return output
+    return _map_output(output, lambda table: _unflat(table, rows, width))
 
 
-def _kernels_ready(module: nn.Module, hidden: torch.Tensor, bound: dict) -> bool:
-    """Whether the installed kernels keep this call's conversations apart by themselves."""
-    kernels = MIXERS[type(module).__name__]
-    return (
-        bool(kernels)
-        and hidden.is_cuda
-        and hidden.shape[0] == 1
-        and bound.get(SEQ_IDX) is not None
-        and bound.get(CU_SEQ_LENS_Q) is not None
-        and all(importlib.util.find_spec(name) is not None for name in kernels)
-    )
+def _flat(value, rows: int, width: int):
+    """A per-token ``(B, T, ...)`` argument as ``(1, B T, ...)``; others as they are."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, width):
+        return value.reshape(1, rows * width, *value.shape[2:])
+    return value
+
+
+def _unflat(value: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    if value.dim() >= 2 and value.shape[:2] == (1, rows * width):
+        return value.reshape(rows, width, *value.shape[2:])
+    return value
 
 
 def _each_conversation(own, bound: dict, shape: tuple, spans) -> object:
@@ -294,17 +337,18 @@ def _each_conversation(own, bound: dict, shape: tuple, spans) -> object:
     the outputs back in the row's layout.
     """
     rows, width = shape
-    pieces = []
+    by_row = []
     for row, row_spans in enumerate(spans):
+        outputs = []
         for start, end in row_spans:
             call = {
                 key: _slice(value, row, start, end, rows, width)
                 for key, value in bound.items()
-                if key not in BOUNDARY_KEYS and key != ROW_LAYOUT
+                if key not in BOUNDARY_KEYS
             }
-            pieces.append((row, own(**call)))
-    by_row = [[output for r, output in pieces if r == row] for row in range(rows)]
-    return _concatenate(by_row)
+            outputs.append((end - start, own(**call)))
+        by_row.append(outputs)
+    return _join(by_row)
 
 
 def _slice(value, row: int, start: int, end: int, rows: int, width: int):
@@ -323,21 +367,33 @@ def _slice(value, row: int, start: int, end: int, rows: int, width: int):
     return value
 
 
-def _concatenate(by_row: list[list]):
-    """The outputs of each row's conversations joined along the tokens, the rows stacked."""
-    first = by_row[0][0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat([torch.cat(outputs, dim=1) for outputs in by_row], dim=0)
+def _join(by_row: list[list[tuple[int, object]]]):
+    """Each row's conversation outputs joined along the tokens, the rows stacked.
+
+    A per-token output (``(1, L, ...)`` for a conversation of ``L`` tokens) is joined; any other
+    (a conversation's final recurrent state, as MiniMax's lightning attention returns beside its
+    output) describes one conversation, not the row: None.
+    """
+    first = by_row[0][0][1]
     if isinstance(first, (tuple, list)):
         parts = [
-            _concatenate([[output[i] for output in outputs] for outputs in by_row])
+            _join([[(length, output[i]) for length, output in outputs] for outputs in by_row])
             for i in range(len(first))
         ]
         return type(first)(parts)
-    if first is None:
-        return None
-    raise TypeError(
-        f"a mixer's output of type {type(first).__name__} cannot be joined per conversation"
+    per_token = all(
+        isinstance(output, torch.Tensor) and output.dim() >= 2 and output.shape[1] == length
+        for outputs in by_row
+        for length, output in outputs
+    )
+    if not per_token:
+        if first is None or isinstance(first, torch.Tensor):
+            return None
+        raise TypeError(
+            f"a mixer's output of type {type(first).__name__} cannot be joined per conversation"
+        )
+    return torch.cat(
+        [torch.cat([output for _, output in outputs], dim=1) for outputs in by_row], dim=0
     )
 
 

@@ -24,6 +24,8 @@ import inspect
 import torch
 from torch import nn
 
+from packed_ce.layout import PackedLayout
+
 
 def batch_dependent(module: nn.Module) -> bool:
     """Whether ``module`` is a rotary embedding whose forward chooses its frequencies from the
@@ -56,23 +58,13 @@ def with_row_positions(kwargs: dict) -> dict:
     return {**kwargs, "position_ids": ((real.cumsum(-1) - 1) * real).clamp_min(0)}
 
 
-def conversation_lengths(position_ids: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` int64: the length of each token's conversation, ``max(position) + 1`` over it
-    (a conversation is where ``position_ids`` run on by one: transformers' rule).
-    """
-    rows, width = position_ids.shape
-    positions = position_ids.to(torch.int64)
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    segments = starts.reshape(-1).cumsum(0) - 1  # (B T,) conversation of each token
-    longest = torch.zeros(int(segments[-1]) + 1, dtype=torch.int64, device=positions.device)
-    longest.scatter_reduce_(0, segments, positions.reshape(-1), reduce="amax")
-    return (longest[segments] + 1).view(rows, width)
-
-
 def per_conversation(module: nn.Module, args: tuple, kwargs: dict, output):
-    """The forward hook: ``output`` recomputed per conversation length on a packed call, else
-    None (the call's own output stands).
+    """The forward hook: ``output`` recomputed per conversation length on a packed call (a row
+    holding more than one conversation), else None (the call's own output stands).
+
+    Every packed call starts from the trained frequencies, whatever an earlier call left on the
+    module (a call whose conversations all have one length took the frequencies of the last
+    call's longest conversation: 7.4e-3 in the logits of a tiny Llama with ``"dynamic"``).
     """
     bound = _signature(type(module)).bind(module, *args, **kwargs).arguments
     x, position_ids = bound.get("x"), bound.get("position_ids")
@@ -82,14 +74,18 @@ def per_conversation(module: nn.Module, args: tuple, kwargs: dict, output):
         isinstance(t, torch.Tensor) and t.shape[:2] == position_ids.shape for t in output
     ):
         return None
-    lengths = conversation_lengths(position_ids)
-    distinct = torch.unique(lengths).tolist()  # one host sync, as the module's own update makes
-    if len(distinct) == 1:
+    layout = PackedLayout.of_call({"position_ids": position_ids}, tuple(position_ids.shape))
+    if not layout.packed:
         return None
+    # each token's conversation's max(position) + 1: what dynamic_rope_update reads alone
+    conversation = layout.token_conversation.reshape(-1)
+    longest = torch.zeros(layout.num_conversations, dtype=torch.int64, device=layout.device)
+    longest.scatter_reduce_(0, conversation, position_ids.reshape(-1).to(torch.int64), "amax")
+    lengths = (longest[conversation] + 1).view(position_ids.shape)
     extra = {key: value for key, value in bound.items() if key not in ("self", "x", "position_ids")}
     module.forward(x, position_ids[:1, :1] * 0, **extra)  # "dynamic": back to trained frequencies
     tables = [t.clone() for t in output]
-    for length in distinct:
+    for length in torch.unique(lengths).tolist():  # ascending, as for each alone in a fresh model
         chosen = lengths == length
         pieces = module.forward(x, position_ids[chosen][None], **extra)  # (1, n, D) each
         for table, piece in zip(tables, pieces):

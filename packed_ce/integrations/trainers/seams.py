@@ -11,7 +11,7 @@ the installed version (an override of a method that is no longer called, or call
 would silently do nothing) and when a guard that refuses another objective stops firing:
 
 - a ``transformers.Trainer`` other than the packed ones (trl's ``SFTTrainer`` included) refuses
-  at ``train()`` a model with the packed loss (:class:`RefuseOtherTrainers`);
+  at ``train()`` a model with the packed loss (``model/other_trainers.py``);
 - a wrapper of the installed forward that runs the decoder itself (trl's ``fused_lm_head=True``)
   is refused by the decoder's pre-hook (:func:`refuse_bypass`);
 - trl's ``fused_lm_head=True`` reaching the installed forward is refused (:func:`checked_call`).
@@ -23,9 +23,6 @@ import warnings
 from dataclasses import dataclass
 
 from packaging.specifiers import SpecifierSet
-from transformers import TrainerCallback, trainer
-
-from ..model.installation import packed_loss_of
 
 # The trl versions PackedSFTTrainer was tested with: the ``trl`` extra of pyproject.toml (a test
 # keeps the two equal).
@@ -166,6 +163,21 @@ PRIVATE_SEAMS = (
         )
     ),
     Seam(
+        "transformers.modeling_layers.GradientCheckpointingLayer",
+        "_gradient_checkpointing_func",
+        "a checkpointed decoder layer's checkpointing function, which transformers sets when "
+        "checkpointing is enabled: wrapped (model/mixers.py, Replayed) so that its recomputation "
+        "records the layer's keywords for a mixer the layer calls without them (Jamba's); the "
+        "recomputation runs past the layer's hooks",
+    ),
+    Seam(
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        "causal_conv1d_fn",
+        "a hybrid family's module-level short convolution (each family of families.MIXERS with a "
+        "conv: tests/test_mixers.py checks them all), replaced by model/convolution.py's, which "
+        "keeps each packed conversation apart without the causal-conv1d package",
+    ),
+    Seam(
         "datasets.Dataset",
         "_fingerprint",
         "the data's identity in the keys of the pack and "
@@ -208,8 +220,15 @@ GLOBAL_STATE = (
     (
         "model.mixers._layers",
         "a thread-local stack of the decoder layer calls running",
-        "empty outside a forward: a mixer its layer calls without keywords finds the batch's "
-        "boundaries in its layer's call",
+        "empty outside a forward and a recomputation: a mixer its layer calls without keywords "
+        "finds the call's layout in its layer's call",
+    ),
+    (
+        "transformers.models.<family>.modeling_<family>.causal_conv1d_fn",
+        "replaced by model/convolution.py's WithinConversations when a model with such a mixer "
+        "gets the packed loss",
+        "the family's forward looks the name up at each call; a call without seq_idx, or with "
+        "causal-conv1d installed, runs the family's own function: other models run as before",
     ),
     (
         "pending",
@@ -227,37 +246,7 @@ def warn_if_untested_trl() -> None:
         warnings.warn(
             f"PackedSFTTrainer is tested with trl{TRL_TESTED} (pip install 'packed-ce[trl]'), "
             f"this is trl {trl.__version__}: it relies on private trl methods "
-            "(packed_ce/integrations/seams.py) that may have changed",
+            "(packed_ce/integrations/trainers/seams.py) that may have changed",
             UserWarning,
             stacklevel=3,
         )
-
-
-class RefuseOtherTrainers(TrainerCallback):
-    """Refuses, when training begins, a Trainer that is not a packed one on a packed model.
-
-    The stock ``Trainer`` divides the loss by a token count (``num_items_in_batch``) and trl's
-    ``SFTTrainer`` computes its own token mean: either trains another objective. Nothing in the
-    model call tells a stock Trainer from a custom loop that passes ``count_num_items``, so the
-    Trainer is refused by a callback of its own; :class:`PackedNormaliserMixin` removes it.
-    """
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if model is not None and packed_loss_of(model) is not None:
-            raise ValueError(
-                "this model has the packed loss (apply_packed_loss), but this Trainer would "
-                "train another objective (transformers.Trainer divides it by a token count, "
-                "trl.SFTTrainer computes its own token mean): use "
-                "packed_ce.integrations.PackedTrainer instead of transformers.Trainer, or "
-                "packed_ce.integrations.PackedSFTTrainer instead of trl.SFTTrainer"
-            )
-
-
-def refuse_in_other_trainers() -> None:
-    """Gives every ``transformers.Trainer`` created from now on :class:`RefuseOtherTrainers`.
-
-    Called by :func:`apply_packed_loss`; a Trainer created before its first call in the process
-    is not checked.
-    """
-    if RefuseOtherTrainers not in trainer.DEFAULT_CALLBACKS:
-        trainer.DEFAULT_CALLBACKS.append(RefuseOtherTrainers)

@@ -36,10 +36,11 @@ from ..context_parallel.enable import ContextParallel
 from ..model.batch import count_num_items
 from ..model.installation import base_model, installation_of, packed_loss_of
 from ..model.loss import SEQ_LOSSES_KEY
+from ..model.other_trainers import RefuseOtherTrainers
 from .copies import CopiesLeftOut, ExampleTokens, Layout, copies_layout, without_copies
 from .data_checks import check_datasets
 from .evaluation import EvaluationSums, sequence_sums
-from .seams import ACCELERATE_PREPARED, CHECKED, RefuseOtherTrainers
+from .seams import ACCELERATE_PREPARED, CHECKED
 
 # Float batch keys that are data, not activations: under DeepSpeed the Trainer casts every float
 # tensor to the engine's dtype, while the normaliser is counted from the float64 weights as
@@ -315,7 +316,7 @@ class PackedNormaliserMixin:
                 f"context parallelism: this transformers {transformers.__version__} Trainer did "
                 "not call Trainer._prepare_context_parallel_inputs before the model call, so the "
                 "row was not sharded; packed-ce is tested with "
-                f"{CHECKED} (packed_ce/integrations/seams.py)"
+                f"{CHECKED} (packed_ce/integrations/trainers/seams.py)"
             )
         inputs = dict(inputs)
         sources = inputs.pop(SEQ_SOURCES, None)
