@@ -78,8 +78,9 @@ def batch_format(name: str) -> dict:
         return {**{k: packed[k] for k in keys}, "seq_idx": seq_idx[None].to(torch.int32)}
     if name == "position_ids only":
         return {k: packed[k] for k in keys}
-    # two packed rows of two conversations each, the shorter row ending in a padding segment
-    rows = [PackedCollator(pad_to_multiple_of=32)(found[:2]), PackedCollator(pad_to_multiple_of=32)(found[2:])]
+    # two packed rows, each ending in a padding segment: two conversations each, or three and one
+    split = 2 if name == "two rows" else 3
+    rows = [PackedCollator(pad_to_multiple_of=32)(found[:split]), PackedCollator(pad_to_multiple_of=32)(found[split:])]
     return {k: torch.cat([row[k] for row in rows]) for k in ("input_ids", "labels", "position_ids")}
 
 
@@ -88,7 +89,8 @@ def built(family: str):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", ["PackedCollator", "position_ids only", "trl padding-free", "two rows"])
+@pytest.mark.parametrize(
+    "name", ["PackedCollator", "position_ids only", "trl padding-free", "two rows", "uneven rows"])
 def test_every_batch_format_is_every_conversation_alone(family, name):
     model = built(family)
     expected_loss, expected_grads = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
