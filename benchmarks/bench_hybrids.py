@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     result["bfloat16"]["packed"] = errors(packed(low, batch), truth16)
     result["seconds"] = round(time.perf_counter() - start, 1)
     result["environment"] = harness.environment(
-        device, ("torch", "triton", "transformers", "fla-core", "causal-conv1d")
+        device, ("torch", "triton", "transformers", "fla-core", "tilelang", "causal-conv1d")
     )
     line = json.dumps(result)
     print(line)

@@ -114,7 +114,7 @@ from bench_training import ChatShape, make_conversations
 IGNORE_INDEX = harness.IGNORE_INDEX
 DISTRIBUTIONS = (
     "torch", "triton", "transformers", "trl", "datasets", "accelerate", "peft", "liger-kernel",
-    "bitsandbytes",
+    "bitsandbytes", "fla-core", "tilelang", "causal-conv1d", "mamba-ssm",
 )  # fmt: skip
 RUNS = {
     "packed": "PackedSFTTrainer (defaults: per-conversation mean, fused LM head + loss)",

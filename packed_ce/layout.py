@@ -150,6 +150,13 @@ class PackedLayout:
         return self.cu_seqlens.tolist()
 
     @functools.cached_property
+    def host_cu_seqlens_tensor(self) -> torch.Tensor:
+        """``(C + 1,)`` int64 on the CPU: what fla's varlen kernels take as ``cu_seqlens_cpu``,
+        to lay out their chunks without reading the device's copy again.
+        """
+        return torch.tensor(self.host_cu_seqlens, dtype=torch.int64)
+
+    @functools.cached_property
     def max_seqlen(self) -> int:
         """The longest conversation's length."""
         cuts = self.host_cu_seqlens

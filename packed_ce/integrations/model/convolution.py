@@ -72,6 +72,7 @@ class WithinConversations:
                 bias,
                 activation=activation,
                 cu_seqlens=cu_seqlens,
+                cu_seqlens_cpu=kwargs.get("cu_seqlens_cpu"),
             )
             return out.transpose(1, 2)
         return masked_convolution(hidden_states, weight, bias, activation, seq_idx)

@@ -51,8 +51,11 @@ from .families import MIXERS
 
 # Keywords that tell a mixer where conversations start: dropped from a call on one conversation,
 # which has none inside, and replaced on a whole row's call by the layout's.
+# fla's varlen kernels' host copy of cu_seqlens (their chunks laid out without a device sync)
+CU_SEQLENS_CPU = "cu_seqlens_cpu"
 BOUNDARY_KEYS = (
     SEQ_IDX,
+    CU_SEQLENS_CPU,
     CU_SEQ_LENS_Q,
     CU_SEQ_LENS_K,
     MAX_LENGTH_Q,
@@ -311,6 +314,7 @@ def _whole_row(own, bound: dict, layout: PackedLayout, boundary_keyword: str | N
         key: _flat(value, rows, width) for key, value in bound.items() if key not in BOUNDARY_KEYS
     }
     call.update(layout.flat_keywords())
+    call[CU_SEQLENS_CPU] = layout.host_cu_seqlens_tensor  # fla: no device read per layer
     if boundary_keyword is not None:
         call[boundary_keyword] = layout.cu_seqlens
     output = own(**call)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Hybrid families on one GPU, in two phases (one device call each, the machine kept between them):
+#
+#   bash benchmarks/gpu_hybrids.sh pytorch WHEELS OUT   # transformers' PyTorch mixers (no fla)
+#   bash benchmarks/gpu_hybrids.sh fla WHEELS OUT       # with fla (and tilelang on Hopper)
+#
+# Each phase installs the wheels of WHEELS (pip --no-index --no-deps into this Python):
+#   pytorch: first bench_hybrids.py (packed-ce and the family's own packed row against every
+#            conversation alone) and the CUDA tests of the mixers on the PyTorch route, then the
+#            wheels (fla and what it needs but tilelang's solver, which the next call brings);
+#   fla:     the rest of the wheels, then the CUDA tests of the mixers (the whole-row route
+#            through fla), bench_hybrids.py on the fla route, and bench_trl.py --model qwen3_5-2b
+#            packed against stock trl.
+# Logs go to OUT (<phase>_tests_<card>.log, <phase>_bench_<card>.log); the benchmarks write their
+# JSON lines and tables into OUT too. Every step has a time limit.
+set -u
+phase=${1:?usage: bash benchmarks/gpu_hybrids.sh pytorch|fla WHEELS OUT}
+wheels=${2:?wheels folder}
+out=${3:?output folder}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | tr A-Z a-z)
+card=${card:-gpu}
+pytest=(python3 -m pytest -q -p no:cacheprovider -m cuda -rA --tb=short -s)
+install() { python3 -m pip install -q --no-index --no-deps "$wheels"/*.whl 2>&1 | tail -3; }
+if [ "$phase" = pytorch ]; then
+    timeout 150 python3 benchmarks/bench_hybrids.py --out "$out" >"$out/pytorch_bench_$card.log" 2>&1
+    timeout 200 "${pytest[@]}" tests/test_mixers.py >"$out/pytorch_tests_$card.log" 2>&1
+    install
+else
+    install
+    python3 -c "import fla, tilelang; print('fla', fla.__version__, 'tilelang', tilelang.__version__)"
+    timeout 240 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
+    timeout 150 python3 benchmarks/bench_hybrids.py --out "$out" >"$out/fla_bench_$card.log" 2>&1
+    timeout 300 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 3 \
+        --max-steps 8 --seconds 240 --out "$out" >>"$out/fla_bench_$card.log" 2>&1
+fi
+tail -5 "$out"/*_"$card".log
