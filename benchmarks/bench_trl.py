@@ -467,7 +467,19 @@ class StepClock:
 
         self.device, self.profile_step, self.marks, self.profiler = device, profile_step, [], None
         self.profile_wall = None
+        # Triton kernels compiled during the run: (steps done by then, the kernel and its
+        # specialisation), so that a compile in a steady step is seen and named
+        self.compiles: list[tuple[int, str]] = []
         clock = self
+        try:
+            import triton
+
+            def compiled(*args, **kwargs):
+                clock.compiles.append((max(len(clock.marks) - 1, 0), str(kwargs.get("repr"))[:300]))
+
+            triton.knobs.runtime.jit_post_compile_hook = compiled
+        except (ImportError, AttributeError):  # a Triton without the hook: nothing recorded
+            pass
 
         class Callback(TrainerCallback):  # a TrainerCallback built here: the import is lazy
             def on_step_begin(self, args, state, control, **kwargs):
@@ -652,6 +664,9 @@ def throughput_run(job: Job) -> dict:
         "optimizer": str(trainer.args.optim),
         "warmup_seconds": seconds[: job.warmup],
         "step_seconds": steady,
+        # Triton compiles during the steady steps: [step, kernel] (a step slowed by a compile)
+        "steady_compiles": [list(c) for c in clock.compiles if job.warmup <= c[0] < len(seconds)],
+        "warmup_compiles": sum(1 for c in clock.compiles if c[0] < job.warmup),
         "step_real_tokens": steady_tokens,
         "losses": losses,
         "real_tokens_per_step": statistics.fmean(steady_tokens) if steady_tokens else None,

@@ -119,8 +119,9 @@ HYBRIDS = {
 }
 
 
-def tiny_family_model(model_type: str, attn_implementation: str, seed: int = 0):
-    """A tiny ``model_type`` causal LM in training mode with random weights fixed by ``seed``.
+def tiny_family_model(model_type: str, attn_implementation: str, seed: int = 0, device: str = "cpu"):
+    """A tiny ``model_type`` causal LM in training mode with random weights fixed by ``seed``, on
+    ``device`` (its first call there: a family whose kernels run on CUDA only is checked on CUDA).
 
     Raises:
         NotBuilt: the configuration or the model cannot be built tiny, or its text-only forward
@@ -140,8 +141,8 @@ def tiny_family_model(model_type: str, attn_implementation: str, seed: int = 0):
             raise NotBuilt(f"{count / 1e6:.1f}M parameters after shrinking")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
-        tokens = torch.arange(3, 8)[None]
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train().to(device)
+        tokens = torch.arange(3, 8, device=device)[None]
         with torch.no_grad():  # with labels: GIT's loss needs image tokens
             logits = model(input_ids=tokens, labels=tokens, use_cache=False).logits
     except NotBuilt:

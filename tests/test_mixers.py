@@ -84,8 +84,8 @@ def batch_format(name: str) -> dict:
     return {k: torch.cat([row[k] for row in rows]) for k in ("input_ids", "labels", "position_ids")}
 
 
-def built(family: str):
-    return tiny_family_model(family, "eager")
+def built(family: str, device: str = "cpu"):
+    return tiny_family_model(family, "eager", device=device)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -354,7 +354,7 @@ def test_exact_on_cuda_in_float32_and_bfloat16(family):
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch_format("PackedCollator").items()}
     truth = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = built(family).to(device="cuda", dtype=dtype)
+        model = built(family, "cuda").to(dtype=dtype)
         truth[dtype] = loss_and_gradients(model, lambda m: one_at_a_time(m, conversations()))
         apply_packed_loss(model, backend="torch")
         loss, grads = loss_and_gradients(model, lambda m: m(**batch).loss)
@@ -416,3 +416,25 @@ def test_every_short_convolution_packed_ce_keeps_apart_is_there():
         assert call and ("**kwargs" in call.group(1) or "seq_idx" in call.group(1)), name
         checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_trl_defaults_train_a_mamba_hybrid_checkpointed(packing, tmp_path):
+    """trl's defaults (gradient checkpointing on) with PackedSFTTrainer on a Mamba 2 hybrid, whose
+    layers hand their mixer the call's keywords: one step trains, padded and packed (the mixer
+    called outside a packed row was refused checkpointed)."""
+    pytest.importorskip("trl")
+    import collators
+    from trl import SFTConfig
+
+    from packed_ce.integrations import PackedSFTTrainer
+
+    tokenizer = collators.load_default_tokenizer()
+    model = built("nemotron_h")
+    model.resize_token_embeddings(len(tokenizer))
+    args = SFTConfig(str(tmp_path), report_to=[], max_steps=1, per_device_train_batch_size=2, packing=packing,
+                     max_length=128, use_cpu=True, bf16=False)
+    assert args.gradient_checkpointing
+    trainer = PackedSFTTrainer(model=model, args=args, processing_class=tokenizer,
+                               train_dataset=collators.load_default_dataset().select(range(8)))
+    assert torch.isfinite(torch.tensor(trainer.train().training_loss))

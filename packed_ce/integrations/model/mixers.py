@@ -317,6 +317,9 @@ def _whole_row(own, bound: dict, layout: PackedLayout, boundary_keyword: str | N
     call[CU_SEQLENS_CPU] = layout.host_cu_seqlens_tensor  # fla: no device read per layer
     if boundary_keyword is not None:
         call[boundary_keyword] = layout.cu_seqlens
+    accepted = _signature(type(own.__self__).forward).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        call = {key: value for key, value in call.items() if key in accepted}  # LFM2 in 5.17
     output = own(**call)
     if rows == 1:
         return output
