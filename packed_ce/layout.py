@@ -30,10 +30,9 @@ from .columns import (
     MAX_LENGTH_Q,
     POSITION_IDS,
     SEQ_TARGETS,
-    SEQ_WEIGHTS,
     position_restarts,
 )
-from .options import Boundaries
+from .options import SEQUENCE_FIELDS, Boundaries
 
 SEQ_IDX = "seq_idx"  # (B, T) int32: the conversation of each token (transformers' keyword)
 
@@ -49,7 +48,8 @@ def loss_boundaries(
         is_packed: whether ``seq_targets`` matter.
 
     Returns:
-        ``cu_seqlens`` (with ``seq_targets`` and ``seq_weights``), else ``cu_seq_lens_q`` as
+        ``cu_seqlens`` (with the per-sequence tensors, ``options.SEQUENCE_FIELDS``: ``seq_targets``
+        and ``seq_weights``), else ``cu_seq_lens_q`` as
         ``cu_seqlens``, else ``position_ids``, else one sequence per row. Non-tensors are passed
         on, for the loss to refuse by name.
     """
@@ -58,7 +58,7 @@ def loss_boundaries(
         return value.to(labels.device) if isinstance(value, torch.Tensor) else value
 
     if batch.get(CU_SEQLENS) is not None:
-        keys = (SEQ_TARGETS, SEQ_WEIGHTS) if is_packed else (SEQ_WEIGHTS,)
+        keys = [key for key in SEQUENCE_FIELDS if is_packed or key != SEQ_TARGETS]
         found = {key: on_device(batch[key]) for key in keys if batch.get(key) is not None}
         return Boundaries(cu_seqlens=on_device(batch[CU_SEQLENS]), **found)
     if batch.get(CU_SEQ_LENS_Q) is not None:

@@ -203,6 +203,9 @@ class Boundaries:
 LOSS_FIELDS = frozenset(field.name for field in dataclasses.fields(LossOptions))
 CHUNK_FIELDS = frozenset(field.name for field in dataclasses.fields(ChunkOptions))
 BOUNDARY_FIELDS = frozenset(field.name for field in dataclasses.fields(Boundaries))
+# The per-sequence tensors of a call (aligned with cu_seqlens), as a batch carries them under the
+# same names: what the packed forward carries to the loss and the layout reads from a batch.
+SEQUENCE_FIELDS = tuple(f.name for f in dataclasses.fields(Boundaries) if f.name.startswith("seq_"))
 
 
 def split_keywords(

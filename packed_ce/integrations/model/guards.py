@@ -15,11 +15,10 @@ from packed_ce.columns import (
     LABELS,
     LAYOUT,
     POSITION_IDS,
-    SEQ_TARGETS,
-    SEQ_WEIGHTS,
     SHARD,
 )
 from packed_ce.layout import PackedLayout
+from packed_ce.options import SEQUENCE_FIELDS
 
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
@@ -28,7 +27,7 @@ MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
 # layout (LAYOUT) and left out of the model's keywords: a mixer that hands its **kwargs to a kernel
 # takes cu_seqlens for its own (transformers' gated delta rule: "got multiple values for keyword
 # argument 'cu_seqlens'").
-LOSS_TENSORS = (CU_SEQLENS, SEQ_TARGETS, SEQ_WEIGHTS)
+LOSS_TENSORS = (CU_SEQLENS, *SEQUENCE_FIELDS)
 
 
 def batch_tensor(batch: Mapping[str, Any], key: str) -> torch.Tensor | None:
