@@ -8,9 +8,9 @@
 #   pytorch: first bench_hybrids.py (packed-ce and the family's own packed row against every
 #            conversation alone) and the CUDA tests of the mixers on the PyTorch route, then the
 #            wheels (fla and what it needs but tilelang's solver, which the next call brings);
-#   fla:     the rest of the wheels, then the CUDA tests of the mixers (the whole-row route
-#            through fla), bench_hybrids.py on the fla route, and bench_trl.py --model qwen3_5-2b
-#            packed against stock trl.
+#   fla:     the rest of the wheels, then bench_trl.py --model qwen3_5-2b packed against stock
+#            trl, bench_hybrids.py on the fla route and the CUDA tests of the mixers (the
+#            whole-row route through fla).
 # Logs go to OUT (<phase>_tests_<card>.log, <phase>_bench_<card>.log); the benchmarks write their
 # JSON lines and tables into OUT too. Every step has a time limit.
 set -u
@@ -31,9 +31,9 @@ if [ "$phase" = pytorch ]; then
 else
     install
     python3 -c "import fla, tilelang; print('fla', fla.__version__, 'tilelang', tilelang.__version__)"
-    timeout 240 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
-    timeout 150 python3 benchmarks/bench_hybrids.py --out "$out" >"$out/fla_bench_$card.log" 2>&1
-    timeout 300 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 3 \
-        --max-steps 8 --seconds 240 --out "$out" >>"$out/fla_bench_$card.log" 2>&1
+    timeout 330 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 3 \
+        --max-steps 12 --seconds 270 --out "$out" >"$out/fla_bench_$card.log" 2>&1
+    timeout 240 python3 benchmarks/bench_hybrids.py --out "$out" >>"$out/fla_bench_$card.log" 2>&1
+    timeout 150 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
 fi
-tail -5 "$out"/*_"$card".log
+for log in "$out"/*_"$card".log; do tail -n 5 "$log"; done
