@@ -31,8 +31,8 @@ if [ "$phase" = pytorch ]; then
 else
     install
     python3 -c "import fla, tilelang; print('fla', fla.__version__, 'tilelang', tilelang.__version__)"
-    timeout 330 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 3 \
-        --max-steps 12 --seconds 270 --out "$out" >"$out/fla_bench_$card.log" 2>&1
+    timeout 330 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 5 \
+        --max-steps 10 --seconds 270 --out "$out" >"$out/fla_bench_$card.log" 2>&1
     timeout 240 python3 benchmarks/bench_hybrids.py --out "$out" >>"$out/fla_bench_$card.log" 2>&1
     timeout 150 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
 fi
