@@ -106,16 +106,11 @@ def with_boundaries(kwargs: dict, shape: tuple[int, int]) -> dict:
     if kwargs.get(SEQ_IDX) is not None:
         return kwargs
     rows, width = shape
+    spans = call_spans(kwargs, shape)
+    if spans is None or all(len(row) == 1 for row in spans):
+        return kwargs
     positions, cumulative = kwargs.get(POSITION_IDS), kwargs.get(CU_SEQ_LENS_Q)
-    if isinstance(positions, torch.Tensor) and positions.shape[-1] == width:
-        spans, device = spans_of(positions, rows, restart=True), positions.device
-    elif isinstance(cumulative, torch.Tensor) and rows == 1:
-        cuts = cumulative.tolist()
-        spans, device = [list(zip(cuts[:-1], cuts[1:]))], cumulative.device
-    else:
-        return kwargs
-    if all(len(row) == 1 for row in spans):
-        return kwargs
+    device = (positions if isinstance(positions, torch.Tensor) else cumulative).device
     # (B, T) int32: conversation i over its columns, built per conversation, not per token
     seq_idx = torch.stack(
         [
@@ -141,6 +136,21 @@ def with_boundaries(kwargs: dict, shape: tuple[int, int]) -> dict:
             }
         )
     return {**kwargs, **added}
+
+
+def call_spans(kwargs: dict, shape: tuple[int, int]) -> list[list[tuple[int, int]]] | None:
+    """Each row's conversations, ``(start, end)`` columns, of a call of ``(B, T)`` tokens: where
+    its 2-D ``position_ids`` restart, else (one row) its ``cu_seq_lens_q``; None without either.
+    """
+    rows, width = shape
+    positions, cumulative = kwargs.get(POSITION_IDS), kwargs.get(CU_SEQ_LENS_Q)
+    two_dimensional = isinstance(positions, torch.Tensor) and positions.dim() <= 2
+    if two_dimensional and positions.shape[-1] == width:
+        return spans_of(positions, rows, restart=True)
+    if isinstance(cumulative, torch.Tensor) and rows == 1:
+        cuts = cumulative.tolist()
+        return [list(zip(cuts[:-1], cuts[1:]))]
+    return None
 
 
 def _enter_layer(layer: nn.Module, args: tuple, kwargs: dict) -> None:
