@@ -181,8 +181,8 @@ def tokenize_images(
     if labelled is None:
         return None
     text, text_ids, text_labels = labelled
-    if not assistant_only:
-        text_labels = list(text_ids)
+    if not assistant_only:  # every token but the images': set below, past the images' spans
+        text_labels = [ignore_index] * len(text_ids)
     encoded = processor(
         text=[text],
         images=opened or None,
@@ -200,6 +200,10 @@ def tokenize_images(
     labels, image_spans = _follow_labels(
         tokenizer, (text, text_ids, text_labels), encoded, ignore_index, name
     )
+    if not assistant_only:
+        labels = list(input_ids)
+        for start, end in image_spans:
+            labels[start:end] = [ignore_index] * (end - start)
     if max_length is not None and len(input_ids) > max_length:
         cut = max_length
         for start, end in image_spans:

@@ -215,8 +215,9 @@ def carried_column(name: str) -> SequenceColumn:
 # The columns packing writes (a carried data set column may take none of these names).
 PACKED_ROW_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS, *(column.key for column in SEQUENCE_COLUMNS))
 # The data set columns the trainers keep for the collator: a packed row's boundaries, each
-# conversation's (or piece's) values, and the data set columns they come from.
+# conversation's (or piece's) values, and the data set columns they come from; the images.
 ROW_COLUMNS = (
+    IMAGES,
     SEQ_LENGTHS,
     *(column.key for column in SEQUENCE_COLUMNS),
     *(column.column for column in SEQUENCE_COLUMNS if column.column),

@@ -63,6 +63,14 @@ def test_gemma3_image_tokens_are_never_targets():
     assert example["input_ids"].count(tokenizer.image_token_id) == 4
 
 
+def test_every_token_but_the_images_is_trained_without_assistant_only():
+    processor = vu.processor("qwen2_vl")
+    messages = _messages("Shapes?", "Red, blue.", images=2)
+    example = tokenize_vision_conversation(processor, messages, [RED, BLUE], assistant_only=False)
+    image = processor.image_token_id
+    assert example["labels"] == [-100 if t == image else t for t in example["input_ids"]]
+
+
 def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")

@@ -85,16 +85,17 @@ def model_inputs(family: str, index: int, count: int) -> dict:
     return {key: value for key, value in out.items() if key != "attention_mask"}
 
 
-def alone_loss(family: str, model, count: int = 5, weights=None) -> torch.Tensor:
+def alone_loss(family: str, model, count: int = 5, weights=None, only=None) -> torch.Tensor:
     """The mean over the conversations of ``load_default_image_dataset(count)`` (weighted by
-    ``weights``) of each one's mean target loss, each run alone (:func:`model_inputs`, ``model``
-    without the packed loss) with the labels of :func:`rows`, in the model's dtype.
+    ``weights``; those of the indices ``only``) of each one's mean target loss, each run alone
+    (:func:`model_inputs`, ``model`` without the packed loss) with the labels of :func:`rows`, in
+    the model's dtype.
     """
     weights = [1.0] * count if weights is None else weights
     losses, kept = [], []
     for index, (row, weight) in enumerate(zip(rows(family, count), weights)):
         labels = torch.tensor(row["labels"])
-        if not (labels[1:] != IGNORE).any() or weight == 0:
+        if not (labels[1:] != IGNORE).any() or weight == 0 or (only and index not in only):
             continue
         inputs = model_inputs(family, index, count)
         assert inputs["input_ids"][0].tolist() == row["input_ids"]  # the processor's own tokens

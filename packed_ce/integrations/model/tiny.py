@@ -122,7 +122,12 @@ def tiny_vision_lm(
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     tokenizer = processor.tokenizer
-    text = dict(_VISION_TEXT, vocab_size=len(tokenizer))
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text = dict(_VISION_TEXT, vocab_size=len(tokenizer), **special)
     if model_type == "gemma3":
         text.update(
             sliding_window=4,
@@ -182,7 +187,9 @@ def tiny_vision_lm(
             vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
             vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
         )
-    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, **ids)
+    config = AutoConfig.for_model(
+        model_type, text_config=text, vision_config=vision, **ids, **special
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(
