@@ -51,8 +51,21 @@ def with_images(messages: Sequence[Mapping[str, Any]], images: Sequence, name: s
         as given (unopened: ``open_image``) in the order of their parts.
 
     Raises:
-        ValueError naming ``name``: more or fewer images than image parts.
+        ValueError naming ``name``: more or fewer images than image parts, a video part.
     """
+    videos = [
+        index
+        for index, message in enumerate(messages)
+        if isinstance(message.get("content"), Sequence)
+        and not isinstance(message.get("content"), str)
+        and any(isinstance(p, Mapping) and p.get("type") == "video" for p in message["content"])
+    ]
+    if videos:
+        raise ValueError(
+            f"`{name}` message {videos[0]} has a video part: conversations with videos are not "
+            "supported (their positions are not checked per conversation); train them unpacked "
+            "with the model's own collator"
+        )
     if images and not any(image_parts(m.get("content")) for m in messages):
         messages = _images_first(messages, len(images), name)
     queue = list(images)

@@ -118,6 +118,13 @@ def test_images_that_do_not_match_the_parts_are_refused(images, match):
         tokenize_vision_conversation(vu.processor("qwen2_vl"), _messages("?", "!"), images)
 
 
+def test_a_video_part_is_refused():
+    messages = _messages("?", "!")
+    messages[0]["content"][0] = {"type": "video"}
+    with pytest.raises(ValueError, match="message 0 has a video part"):
+        tokenize_vision_conversation(vu.processor("qwen2_vl"), messages)
+
+
 def test_an_image_that_cannot_be_opened_is_refused():
     with pytest.raises(ValueError, match="cannot be opened"):
         tokenize_vision_conversation(vu.processor("qwen2_vl"), _messages("?", "!"), [b"no png"])

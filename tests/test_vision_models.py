@@ -136,8 +136,13 @@ def test_three_row_positions_on_a_packed_call_are_refused():
 def test_images_under_context_parallelism_are_refused():
     model, batch = _packed_call("qwen2_vl")
     call = {**batch, ROW_LAYOUT: object()}
-    with pytest.raises(ValueError, match="context parallelism does not take batches with images"):
-        vision.multimodal_inputs(model, call, [[(0, 5), (5, batch["input_ids"].shape[1])]])
+    width = batch["input_ids"].shape[1]
+    for spans in ([[(0, 5), (5, width)]], [[(0, width)]]):  # a rank's shard of one conversation too
+        with pytest.raises(ValueError, match="context parallelism does not take batches with"):
+            vision.multimodal_inputs(model, call, spans)
+    # text only: a shard's positions are the row's, left as they are
+    text = {k: v for k, v in call.items() if k not in ("pixel_values", "image_grid_thw")}
+    assert vision.multimodal_inputs(model, text, [[(0, 5), (5, width)]]) is text
 
 
 def test_an_image_cut_at_a_conversation_boundary_is_refused():

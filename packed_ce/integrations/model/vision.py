@@ -144,9 +144,20 @@ def multimodal_inputs(model: nn.Module, kwargs: dict, spans: list[list[tuple[int
     """
     images = kwargs.get(PIXEL_VALUES) is not None or kwargs.get(IMAGE_GRID_THW) is not None
     packed = any(len(row) > 1 for row in spans)
+    family = model.config.model_type
+    if kwargs.get(ROW_LAYOUT) is not None:
+        if images:
+            raise ValueError(
+                f"context parallelism does not take batches with images (model_type={family!r}): "
+                "the ranks would each need the images of the conversations they hold; train "
+                "with images without context parallelism (packed on one rank), or text-only data "
+                "under it"
+            )
+        # a rank's shard: its positions are the row's (a piece of a conversation does not
+        # start at 0), and context parallelism's attention keeps the conversations apart
+        return kwargs
     if not (images or packed):
         return kwargs
-    family = model.config.model_type
     kind = VISION_FAMILIES.get(family)
     positions = kwargs.get(POSITION_IDS)
     if packed:
@@ -176,12 +187,6 @@ def _refuse_packed(family: str, kind, images: bool, kwargs: dict, positions) -> 
             f"packed batches with images are not checked on model_type={family!r}: packed-ce "
             f"makes {', '.join(VISION_FAMILIES)} exact (their rows with images attend and "
             f"position as each conversation alone); {UNPACKED}"
-        )
-    if images and kwargs.get(ROW_LAYOUT) is not None:
-        raise ValueError(
-            f"context parallelism does not take batches with images (model_type={family!r}): the "
-            "ranks would each need the images of the conversations they hold; train with images "
-            "without context parallelism (packed on one rank), or text-only data under it"
         )
     if isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[0] != 4:
         raise ValueError(
