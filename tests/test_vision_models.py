@@ -23,6 +23,9 @@ from packed_ce.integrations.model import vision
 # their float64 inputs' last bits differently there: float32 rounding
 TOLERANCE = {"qwen3_5": 1e-6, "qwen3_5_moe": 1e-6, "gemma3": 1e-7}
 DEFAULT_TOLERANCE = 1e-10
+# conversations per row: the first five of the generated data (1, 2, 3, 1 and 0 images); three
+# for Qwen3.5, whose gated delta rule runs per conversation in transformers' slow torch path
+COUNT = {"qwen3_5": 3, "qwen3_5_moe": 3}
 
 
 def _packed_against_alone(family: str, fused: bool = False, count: int = 5):
@@ -40,7 +43,7 @@ def _packed_against_alone(family: str, fused: bool = False, count: int = 5):
 
 @pytest.mark.parametrize("family", vu.FAMILIES)
 def test_packed_row_with_images_is_every_conversation_alone(family):
-    loss, expected, grads, reference = _packed_against_alone(family)
+    loss, expected, grads, reference = _packed_against_alone(family, count=COUNT.get(family, 5))
     tolerance = TOLERANCE.get(family, DEFAULT_TOLERANCE)
     torch.testing.assert_close(loss, expected, rtol=tolerance, atol=0)
     error, name = vu.worst_gradient(grads, reference)
