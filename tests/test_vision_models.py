@@ -126,6 +126,13 @@ def test_a_family_not_checked_is_refused_with_images(monkeypatch):
     model, batch = _packed_call("llava")
     with pytest.raises(ValueError, match="not checked on model_type='llava'.*PaddedCollator"):
         model(**batch)
+    # one conversation with the collator's positions too (they may not be the family's own)
+    single = collators.VisionCollator(vu.processor("llava"))(vu.rows("llava", 1))
+    with pytest.raises(ValueError, match="not checked on model_type='llava'"):
+        model(**single)
+    # unpacked, the model's own positions: as without packed-ce
+    padded = collators.VisionCollator(vu.processor("llava"), packed=False)(vu.rows("llava", 3))
+    assert torch.isfinite(model(**padded).loss)
 
 
 def test_three_row_positions_on_a_packed_call_are_refused():

@@ -138,9 +138,10 @@ def multimodal_inputs(model: nn.Module, kwargs: dict, spans: list[list[tuple[int
         packed masks with image blocks per layer type.
 
     Raises:
-        ValueError: a packed call with images of a family not in :data:`VISION_FAMILIES`, with
-            videos, under context parallelism, with ``inputs_embeds``, with 3-row
-            ``position_ids``, or whose image tokens do not match ``image_grid_thw``.
+        ValueError: a call with images and ``position_ids`` (or packed) of a family not in
+            :data:`VISION_FAMILIES`, images under context parallelism; a packed call with
+            videos, with ``inputs_embeds`` and images, with 3-row ``position_ids``, or whose
+            image tokens do not match ``image_grid_thw``.
     """
     images = kwargs.get(PIXEL_VALUES) is not None or kwargs.get(IMAGE_GRID_THW) is not None
     packed = any(len(row) > 1 for row in spans)
@@ -160,33 +161,35 @@ def multimodal_inputs(model: nn.Module, kwargs: dict, spans: list[list[tuple[int
         return kwargs
     kind = VISION_FAMILIES.get(family)
     positions = kwargs.get(POSITION_IDS)
+    if images and kind is None and (packed or positions is not None):
+        # given positions (a collator's, even for one conversation) may not be what the family
+        # gives its image tokens alone
+        raise ValueError(
+            f"packed batches with images are not checked on model_type={family!r}: packed-ce "
+            f"makes {', '.join(VISION_FAMILIES)} exact (their rows with images attend and "
+            f"position as each conversation alone); {UNPACKED}"
+        )
     if packed:
-        _refuse_packed(family, kind, images, kwargs, positions)
+        _refuse_packed(family, images, kwargs, positions)
     kwargs = dict(kwargs)
     if images:
         for key in TEXT_ONLY_KEYS:
             kwargs.pop(key, None)
-    if kind == "rope index" and (positions is None or positions.dim() == 2):
-        # a call without position_ids and one conversation per row: the model's own
-        if packed or positions is not None:
-            kwargs[POSITION_IDS] = rope_positions(model, kwargs, spans)
+    two_dimensional = positions is None or positions.dim() == 2
+    # without position_ids and with one conversation per row the model's own positions stand
+    if kind == "rope index" and two_dimensional and (packed or positions is not None):
+        kwargs[POSITION_IDS] = rope_positions(model, kwargs, spans)
     elif kind == "image blocks" and packed and kwargs.get(TOKEN_TYPE_IDS) is not None:
         kwargs[ATTENTION_MASK] = image_block_masks(model, kwargs, spans)
     return kwargs
 
 
-def _refuse_packed(family: str, kind, images: bool, kwargs: dict, positions) -> None:
+def _refuse_packed(family: str, images: bool, kwargs: dict, positions) -> None:
     """Raises for a packed call that cannot be made exact here (see :func:`multimodal_inputs`)."""
     if any(kwargs.get(key) is not None for key in VIDEO_KEYS):
         raise ValueError(
             f"packed batches with videos are not supported (model_type={family!r}): no family's "
             f"video positions are checked per conversation; {UNPACKED}"
-        )
-    if images and kind is None:
-        raise ValueError(
-            f"packed batches with images are not checked on model_type={family!r}: packed-ce "
-            f"makes {', '.join(VISION_FAMILIES)} exact (their rows with images attend and "
-            f"position as each conversation alone); {UNPACKED}"
         )
     if isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[0] != 4:
         raise ValueError(
