@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from packed_ce.columns import INPUT_IDS, LABELS, SEQ_LENGTHS
+from packed_ce.columns import IMAGES, INPUT_IDS, LABELS, SEQ_LENGTHS
 
 from . import cache
 from .checks import check_tokens, targets_per_sequence
@@ -141,14 +141,19 @@ class _FillRows:
     """
 
     def __init__(
-        self, dataset, ignore_index: int, columns: tuple[TokenColumn, TokenColumn] | None = None
+        self,
+        dataset,
+        ignore_index: int,
+        columns: tuple[TokenColumn, TokenColumn] | None = None,
+        images: bool = False,
     ):
         self.dataset = dataset
         self.ignore_index = ignore_index
         self.columns = columns  # (input_ids, labels) of ``dataset``, built when None
+        self.images = images
 
     def __getstate__(self):
-        return {"dataset": self.dataset, "ignore_index": self.ignore_index, "columns": None}
+        return {**self.__dict__, "columns": None}
 
     def __call__(self, batch):
         import pyarrow as pa
@@ -174,6 +179,13 @@ class _FillRows:
             INPUT_IDS: list_array(token_bounds, pa.array(input_ids)),
             LABELS: list_array(token_bounds, pa.array(labels)),
         }
+        if self.images:  # each piece's conversation's images, a row's pieces in order
+            taken = self.dataset.data.table.column(IMAGES).take(pa.array(source)).combine_chunks()
+            per_piece = pc.list_value_length(taken).to_numpy(zero_copy_only=False).astype(np.int64)
+            image_bounds = np.concatenate(([0], np.cumsum(per_piece)))[
+                np.concatenate(([0], np.cumsum(per_row)))
+            ]
+            columns[IMAGES] = list_array(image_bounds, pc.list_flatten(taken))
         columns.update((n, batch.column(n)) for n in batch.column_names if n not in PIECE_COLUMNS)
         return pa.table(columns)
 
@@ -189,10 +201,12 @@ def write_rows(
     cache_file_name: str | None,
     num_proc: int | None,
     load_from_cache_file: bool | None,
+    images=None,
 ):
     """The packed rows: ``plan``'s rows (``_conversation``, ``_offset``, ``seq_lengths``, then the
-    columns carried to them) with ``input_ids`` and ``labels`` filled in from ``dataset``, written
-    with ``datasets.Dataset.map``.
+    columns carried to them) with ``input_ids`` and ``labels`` filled in from ``dataset`` (and,
+    with ``images``, the feature of ``dataset``'s ``images`` column, the images of each row's
+    conversations in the row's order), written with ``datasets.Dataset.map``.
 
     Args:
         dataset: the ``datasets.Dataset`` of conversations, without an indices mapping; columns:
@@ -219,7 +233,7 @@ def write_rows(
         cache_file_name = os.path.join(
             folder or get_temporary_cache_files_directory(), f"cache-{fingerprint}.arrow"
         )
-    fill = _FillRows(dataset, ignore_index, columns)
+    fill = _FillRows(dataset, ignore_index, columns, images is not None)
     if plan.num_rows == 0:  # ``map`` would call nothing and return no column
         return datasets.Dataset(datasets.table.InMemoryTable(fill(plan)), fingerprint=fingerprint)
     rows = datasets.Dataset(
@@ -243,6 +257,8 @@ def write_rows(
             )
             .with_format(None)
         )
+    if images is not None:  # the map wrote their storage: images again, not structs
+        rows = rows.cast_column(IMAGES, images)
     if cache_file_name is not None and rows.cache_files:
         cache.record(cache_file_name, fingerprint)
     return rows

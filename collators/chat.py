@@ -7,11 +7,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from packed_ce.columns import IGNORE_INDEX, INPUT_IDS, LABELS
+from packed_ce.columns import IGNORE_INDEX, IMAGES, INPUT_IDS, LABELS
 
 from . import cache
 from .arrow_rows import progress_unit
 from .checks import positive_int
+from .images import image_parts, row_images
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,59 @@ def tokenize_conversation(
     """
     if max_length is not None:
         positive_int(max_length, "max_length")
+    _check_messages(messages)
+    image_part = next(
+        (i for i, message in enumerate(messages) if image_parts(message.get("content"))), None
+    )
+    if image_part is not None:
+        raise ValueError(
+            f"`messages[{image_part}]` has image parts, which a tokenizer cannot turn into the "
+            "model's image tokens: tokenize it with the model's processor "
+            "(collators.tokenize_vision_conversation or tokenize_vision_dataset)."
+        )
+    labelled = label_conversation(
+        tokenizer,
+        messages,
+        tools=tools,
+        chat_template=chat_template,
+        skip_no_assistant=skip_no_assistant,
+        ignore_index=ignore_index,
+        with_text=False,
+        **template_kwargs,
+    )
+    if labelled is None:
+        return None
+    _, input_ids, labels = labelled
+    if max_length is not None:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return {INPUT_IDS: input_ids, LABELS: labels}
+
+
+def label_conversation(
+    tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
+    skip_no_assistant: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    with_text: bool = True,
+    **template_kwargs,
+) -> tuple[str | None, list[int], list[int]] | None:
+    """The rendered text of a conversation, its tokens and their assistant-only labels.
+
+    What :func:`tokenize_conversation` does before truncating: ``input_ids`` are the tokens of the
+    text (``tokenizer(text, add_special_tokens=False)``), so a token's offsets locate it in the
+    text (``collators.vision`` maps them onto a processor's expanded text).
+
+    Returns:
+        ``(text, input_ids, labels)`` (``text`` None with ``with_text=False`` where the labels
+        need no render of it), or None for a conversation without an assistant turn with
+        ``skip_no_assistant``.
+
+    Raises:
+        ValueError: as :func:`tokenize_conversation`.
+    """
     template = _resolve_template(tokenizer, chat_template, tools)
     _check_messages(messages)
     messages = [dict(message) for message in messages]
@@ -97,6 +151,7 @@ def tokenize_conversation(
         )
 
     render_kwargs = dict(template_kwargs, tools=tools, chat_template=chat_template)
+    text = _render(tokenizer, messages, render_kwargs) if with_text else None
     if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
         encoding = tokenizer.apply_chat_template(
             messages,
@@ -108,13 +163,11 @@ def tokenize_conversation(
         input_ids = list(encoding[INPUT_IDS])
         labels = [t if m else ignore_index for t, m in zip(input_ids, encoding["assistant_masks"])]
     else:
+        text = text or _render(tokenizer, messages, render_kwargs)
         input_ids, labels = _label_by_rendering(
-            tokenizer, messages, assistant_turns, render_kwargs, ignore_index
+            tokenizer, messages, assistant_turns, text, render_kwargs, ignore_index
         )
-
-    if max_length is not None:
-        input_ids, labels = input_ids[:max_length], labels[:max_length]
-    return {INPUT_IDS: input_ids, LABELS: labels}
+    return text, input_ids, labels
 
 
 def tokenize_dataset(
@@ -129,7 +182,8 @@ def tokenize_dataset(
     load_from_cache_file: bool | None = None,
     **kwargs,
 ):
-    """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
+    """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``, or
+    with ``tokenize_vision_conversation`` given the model's processor (conversations with images).
 
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
     ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
@@ -139,10 +193,15 @@ def tokenize_dataset(
 
     Args:
         dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset`` with a column of
-            conversations in the ``messages`` format.
-        tokenizer: any ``transformers.PreTrainedTokenizerBase`` with a chat template.
+            conversations in the ``messages`` format; with a processor, their images in an
+            ``images`` column (or ``image``) and/or in their image parts
+            (``collators.images``).
+        tokenizer: any ``transformers.PreTrainedTokenizerBase`` with a chat template, or a
+            ``transformers`` processor (``AutoProcessor``): then the rows get an ``images``
+            column, each conversation's images in the order of their tokens.
         max_length: keep the first ``max_length`` tokens (unset when packing: ``pack_dataset``
-            counts over-long conversations itself).
+            counts over-long conversations itself); with images, cut before the first image that
+            does not fit whole.
         messages_column: the column of conversations.
         skip_no_assistant: drop (and count in a warning; for a stream, one per batch that drops
             some) or, with ``False``, refuse conversations without an assistant turn.
@@ -156,7 +215,8 @@ def tokenize_dataset(
 
     Returns:
         a data set of ``dataset``'s kind with ``input_ids`` and ``labels`` in place of
-        ``messages_column``, other columns kept, one row per kept conversation, in order.
+        ``messages_column`` (and ``images`` in place of the image columns), other columns kept,
+        one row per kept conversation, in order.
 
     Example:
         >>> from datasets import Dataset
@@ -198,20 +258,43 @@ def tokenize_dataset(
             f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove "
             "or rename them."
         )
+    from .vision import is_processor, tokenize_images, vision_rows
 
-    def tokenize_batch(batch):
+    vision = is_processor(tokenizer)
+    removed, features = [messages_column], None
+    if vision:
+        dataset, removed, features = vision_rows(dataset, messages_column)
+
+    def tokenize_batch(batch, indices=None):
         out = {INPUT_IDS: [], LABELS: [], "_kept": []}
-        for messages in batch[messages_column]:
-            example = tokenize_conversation(
-                tokenizer,
-                messages,
-                max_length=max_length,
-                skip_no_assistant=skip_no_assistant,
-                **kwargs,
-            )
+        if vision:
+            out[IMAGES] = []
+        for index, messages in enumerate(batch[messages_column]):
+            if vision:
+                row = {name: batch[name][index] for name in removed}
+                name = f"dataset[{indices[index]}]" if indices is not None else "a streamed row"
+                example = tokenize_images(
+                    tokenizer,
+                    messages,
+                    row_images(row),
+                    name,
+                    max_length=max_length,
+                    skip_no_assistant=skip_no_assistant,
+                    **kwargs,
+                )
+            else:
+                example = tokenize_conversation(
+                    tokenizer,
+                    messages,
+                    max_length=max_length,
+                    skip_no_assistant=skip_no_assistant,
+                    **kwargs,
+                )
             out["_kept"].append(example is not None)
             out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
             out[LABELS].append(example[LABELS] if example else [])
+            if vision:
+                out[IMAGES].append(example[IMAGES] if example else [])
         skipped = out["_kept"].count(False)
         if stream and skipped:  # a stream's total is never known: each batch says what it drops
             logger.warning(
@@ -222,7 +305,7 @@ def tokenize_dataset(
         return out
 
     if stream:
-        tokenized = dataset.map(tokenize_batch, batched=True, remove_columns=[messages_column])
+        tokenized = dataset.map(tokenize_batch, batched=True, remove_columns=removed)
         kept = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
         return kept.remove_columns("_kept")
     # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
@@ -245,7 +328,9 @@ def tokenize_dataset(
         tokenized = dataset.map(
             tokenize_batch,
             batched=True,
-            remove_columns=[messages_column],
+            with_indices=vision,
+            remove_columns=removed,
+            features=features,
             num_proc=num_proc,
             desc="Tokenizing",
             new_fingerprint=key,
@@ -300,13 +385,12 @@ def _render(tokenizer, messages, render_kwargs, add_generation_prompt: bool = Fa
     )
 
 
-def _label_by_rendering(tokenizer, messages, assistant_turns, render_kwargs, ignore_index):
+def _label_by_rendering(tokenizer, messages, assistant_turns, text, render_kwargs, ignore_index):
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             "`tokenizer` is not a fast tokenizer and its chat template has no {% generation %} "
             "markers: locating the assistant tokens needs one or the other."
         )
-    text = _render(tokenizer, messages, render_kwargs)
     # Exactly what apply_chat_template(tokenize=True) does with the rendered text.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding[INPUT_IDS])

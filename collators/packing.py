@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from packed_ce.columns import IGNORE_INDEX, INPUT_IDS, LABELS, SEQUENCE_COLUMNS
+from packed_ce.columns import IGNORE_INDEX, IMAGES, INPUT_IDS, LABELS, SEQUENCE_COLUMNS
 
 from . import cache
 from .arrow_rows import PIECE_COLUMNS, TokenColumn, list_array, scan_tokens, write_rows
@@ -59,7 +59,11 @@ def pack_dataset(
             ``labels`` (equal-length lists of ints, as ``tokenize_dataset`` makes). Every other
             column goes to each piece (``packed_ce.columns.SEQUENCE_COLUMNS``): ``weight``
             (real >= 0) as ``seq_weights``, ``source`` (strings) as ``seq_sources``, any other
-            ``name`` as ``seq_<name>``; a column of lists or structs raises.
+            ``name`` as ``seq_<name>``; a column of lists or structs raises. An ``images``
+            column (``tokenize_dataset`` with a processor: each conversation's images) gives
+            each row an ``images`` list, its conversations' images in the row's order (a
+            ``datasets.Dataset`` only; an over-long conversation with images is dropped or
+            refused, never cut).
         max_length: row capacity in tokens (at least 2 with ``overflow="split"``).
         overflow: what to do with a conversation longer than ``max_length``: ``"truncate"``,
             ``"drop"``, ``"split"`` or ``"error"`` (raise ``ValueError``).
@@ -146,7 +150,8 @@ def pack_dataset(
             "it out."
         )
     schema = dataset.data.table.schema
-    carried = carried_columns(schema.names)
+    images = IMAGES in schema.names  # carried by write_rows: each row's images in its order
+    carried = carried_columns([name for name in schema.names if name != IMAGES])
     # What the rows depend on: the cache's key (and the name of its default file).
     fingerprint = Hasher.hash(
         (
@@ -173,6 +178,8 @@ def pack_dataset(
     for name, column in carried.items():
         _check_column(table, name, column)
 
+    if images:
+        _check_image_overflow(table, lengths, max_length, overflow)
     kept = cut_to_capacity(lengths, max_length, overflow, stats)
     targets = scan_tokens(input_ids, labels, kept, ignore_index)
     stats.num_without_targets += int(((kept > 0) & (targets == 0)).sum())
@@ -200,9 +207,35 @@ def pack_dataset(
         cache_file_name=cache_file_name,
         num_proc=num_proc,
         load_from_cache_file=load_from_cache_file,
+        images=dataset.features[IMAGES] if images else None,
     )
     stats.log()
     return (rows, stats) if return_stats else rows
+
+
+def _check_image_overflow(table, lengths: np.ndarray, max_length: int, overflow: str) -> None:
+    """Over-long conversations with images: dropped or an error only (a cut in their tokens does
+    not know where their images are).
+
+    Raises:
+        ValueError naming the first such conversation, for ``overflow`` "truncate" or "split".
+    """
+    import pyarrow.compute as pc
+
+    if overflow not in ("truncate", "split"):
+        return
+    counts = pc.list_value_length(table.column(IMAGES)).to_numpy(zero_copy_only=False)
+    cut = np.flatnonzero((lengths > max_length) & (np.nan_to_num(counts) > 0))
+    if cut.size:
+        first = int(cut[0])
+        raise ValueError(
+            f"{cut.size} conversations with images are longer than `max_length`={max_length} "
+            f"(the first, at index {first}, has {int(lengths[first])} tokens), and "
+            f"overflow={overflow!r} would cut them where an image may lie: tokenize them with "
+            "max_length "
+            "(collators.tokenize_dataset cuts before the first image that does not fit whole), "
+            "or pack with overflow='drop' or 'error'."
+        )
 
 
 def _check_column(table, name: str, column) -> None:

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from packed_ce.columns import (
+    IMAGES,
     INPUT_IDS,
     LABELS,
     PACKED_ROW_COLUMNS,
@@ -247,11 +248,18 @@ def carried_columns(names, where: str = "dataset") -> dict[str, SequenceColumn]:
 
     Raises:
         ValueError naming ``where``: ``input_ids`` or ``labels`` missing, a column whose row name
-            packing writes itself.
+            packing writes itself, an ``images`` column (``pack_dataset`` carries it itself; a
+            stream is refused).
     """
     missing = [name for name in (INPUT_IDS, LABELS) if name not in names]
     if missing:
         raise ValueError(f"`{where}` lacks the column(s) {missing}; its columns are {list(names)}.")
+    if IMAGES in names:
+        raise ValueError(
+            f"`{where}` holds conversations with images, which a stream is not packed with: pack "
+            "a datasets.Dataset (pack_dataset gives each row its conversations' images), or "
+            "collate the conversations as they come with collators.VisionCollator"
+        )
     others = [carried_column(name) for name in names if name not in (INPUT_IDS, LABELS)]
     order = {column.key: rank for rank, column in enumerate(SEQUENCE_COLUMNS)}
     # stable: the others keep their order

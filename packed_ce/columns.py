@@ -33,6 +33,14 @@ SEQ_TARGETS = "seq_targets"  # the whole conversation's target count (a split on
 SEQ_WEIGHTS = "seq_weights"
 SEQ_SOURCES = "seq_sources"
 
+# Images: a conversation's (data set column, a list of images in the order of its image parts)
+# and a batch's (what the model's processor makes of a row's images, in the row's order).
+IMAGES = "images"
+PIXEL_VALUES = "pixel_values"
+IMAGE_GRID_THW = "image_grid_thw"  # (I, 3) int64: each image's grid (the Qwen-VL families)
+MM_TOKEN_TYPE_IDS = "mm_token_type_ids"  # (B, T): 1 at image tokens (the Qwen-VL families)
+TOKEN_TYPE_IDS = "token_type_ids"  # (B, T): 1 at image tokens (Gemma 3)
+
 # A conversation's optional data set columns, one value per row (packing moves them to
 # SEQ_WEIGHTS and SEQ_SOURCES).
 WEIGHT_COLUMN = "weight"
@@ -227,8 +235,9 @@ def carried_column(name: str) -> SequenceColumn:
 # The columns packing writes (a carried data set column may take none of these names).
 PACKED_ROW_COLUMNS = (INPUT_IDS, LABELS, SEQ_LENGTHS, *(column.key for column in SEQUENCE_COLUMNS))
 # The data set columns the trainers keep for the collator: a packed row's boundaries, each
-# conversation's (or piece's) values, and the data set columns they come from.
+# conversation's (or piece's) values, and the data set columns they come from; the images.
 ROW_COLUMNS = (
+    IMAGES,
     SEQ_LENGTHS,
     *(column.key for column in SEQUENCE_COLUMNS),
     *(column.column for column in SEQUENCE_COLUMNS if column.column),

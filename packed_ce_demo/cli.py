@@ -144,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         "rows (input_ids, labels, seq_lengths; a weight and a source column as seq_weights and "
         "seq_sources, any other column as seq_<name>, one value per sequence) with "
         "datasets.Dataset.save_to_disk and print the packing statistics. Load the result with "
-        "datasets.load_from_disk and collate it with collators.PackedCollator.",
+        "datasets.load_from_disk and collate it with collators.PackedCollator. Conversations "
+        "with images (an 'images' or 'image' column) are tokenized with the processor that "
+        "--tokenizer names and each row keeps its conversations' images (an 'images' column, "
+        "collate with collators.VisionCollator); one longer than --max-length is dropped "
+        "(--overflow drop) or refused, never cut.",
     )
     _add_data_arguments(pack, max_length=4096, data_help=PACK_DATA_HELP)
     pack.add_argument(

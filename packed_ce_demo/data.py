@@ -111,6 +111,29 @@ def load_tokenizer(tokenizer: str | None):
         return AutoTokenizer.from_pretrained(tokenizer)
 
 
+def load_processor(processor: str | None, dataset: str | None):
+    """The processor of ``--tokenizer`` for conversations with images; ValueError naming it."""
+    from transformers import AutoProcessor
+
+    from collators.vision import is_processor
+
+    if processor is None:
+        raise ValueError(
+            f"`--dataset` {dataset!r} has images: name the model's processor with --tokenizer "
+            "(a hub name or a folder saved by processor.save_pretrained), which turns them into "
+            "the model's image tokens"
+        )
+    with naming_flag("--tokenizer", processor):
+        loaded = AutoProcessor.from_pretrained(processor)
+    if not is_processor(loaded):
+        raise ValueError(
+            f"`--tokenizer` {processor!r} is a tokenizer, and `--dataset` {dataset!r} has "
+            "images: name the model's processor (AutoProcessor), which turns them into the "
+            "model's image tokens"
+        )
+    return loaded
+
+
 def pack(
     conversations,
     tokenizer,
@@ -238,6 +261,8 @@ def pack_to_disk(
         ValueError naming ``--dataset`` or ``--tokenizer`` (a tokenizer given for tokenized data).
     """
     from collators.arrow_rows import progress_unit
+    from collators.images import IMAGE_COLUMN
+    from packed_ce.columns import IMAGES
 
     conversations, tokenized = load_conversations(dataset)
     if tokenized and tokenizer is not None:
@@ -245,7 +270,13 @@ def pack_to_disk(
             f"`--tokenizer` {tokenizer!r} is not used: `--dataset` is already tokenized "
             "('input_ids', 'labels'); leave --tokenizer out"
         )
-    tok = None if tokenized else load_tokenizer(tokenizer)
+    images = bool({IMAGES, IMAGE_COLUMN} & set(conversations.column_names))
+    if tokenized:
+        tok = None
+    elif images:
+        tok = load_processor(tokenizer, dataset)
+    else:
+        tok = load_tokenizer(tokenizer)
     packed, stats = pack(conversations, tok, max_length, overflow=overflow, num_proc=num_proc)
     # tokenize_dataset skips (and logs) conversations without an assistant turn
     skipped = len(conversations) - stats.num_conversations

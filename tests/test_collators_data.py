@@ -82,7 +82,8 @@ def test_load_messages_dataset_from_jsonl(tmp_path):
 
 @pytest.mark.parametrize(
     "module", ["collators.chat", "collators.collate", "collators.data", "collators.packing", "collators.planning",
-               "collators.sharding", "collators.streaming"]
+               "collators.processors", "collators.sharding", "collators.streaming", "collators.vision",
+               "collators.vision_collate"]
 )
 def test_docstring_examples(module, tokenizer, cache_dir, monkeypatch):
     """The `>>>` examples in the docstrings are exact."""

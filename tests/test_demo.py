@@ -125,6 +125,27 @@ def test_pack_keeps_weight_and_source(tmp_path, capsys):
     assert sorted(found) == sorted((q, w, s) for q, _, w, s in chats)
 
 
+def test_pack_stores_the_images_with_the_rows(tmp_path, capsys):
+    """Conversations with images: tokenized with the processor --tokenizer names, each packed row
+    keeps its conversations' images in order; without a processor, one line names the fix."""
+    import collators
+
+    processor = collators.load_default_processor("llava")  # saved and loaded without torchvision
+    processor.save_pretrained(tmp_path / "processor")
+    data = collators.load_default_image_dataset(6)
+    data.save_to_disk(str(tmp_path / "chats"))
+    output = tmp_path / "packed"
+    argv = ["pack", "--dataset", str(tmp_path / "chats"), "--max-length", "256"]
+    assert main([*argv, "--tokenizer", str(tmp_path / "processor"), "--output", str(output)]) == 0
+    packed = datasets.load_from_disk(str(output))
+    assert packed.column_names == ["input_ids", "labels", "images", "seq_lengths", "seq_sources"]
+    assert sum(len(row) for row in packed["images"]) == sum(len(row) for row in data["images"])
+    batch = collators.VisionCollator(processor)(list(packed)[:1])
+    assert batch["pixel_values"].shape[0] == len(packed[0]["images"])
+    assert main([*argv, "--output", str(tmp_path / "other")]) == 2
+    assert "has images: name the model's processor with --tokenizer" in capsys.readouterr().err
+
+
 def test_help_explains_every_option():
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices

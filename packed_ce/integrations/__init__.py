@@ -6,7 +6,8 @@
   accumulation and parallelism (imported on first use: seconds);
 - :func:`enable_context_parallel` / :func:`disable_context_parallel`: ranks sharing each row;
 - :func:`count_num_items`: the normaliser of one optimiser step, for custom training loops;
-- :func:`tiny_causal_lm`: a tiny random model, for examples and tests on CPU.
+- :func:`tiny_causal_lm`, :func:`tiny_vision_lm`: tiny random models, for examples and tests on
+  CPU.
 """
 
 from .context_parallel import disable_context_parallel, enable_context_parallel
@@ -15,7 +16,7 @@ from .model.forward import fusable_reason
 from .model.install import apply_packed_loss, remove_packed_loss
 from .model.installation import packed_loss_of
 from .model.loss import PackedCausalLMLoss
-from .model.tiny import tiny_causal_lm
+from .model.tiny import tiny_causal_lm, tiny_vision_lm
 
 __all__ = [
     "PackedCausalLMLoss",
@@ -31,6 +32,7 @@ __all__ = [
     "remove_packed_loss",
     "sequence_boundaries",
     "tiny_causal_lm",
+    "tiny_vision_lm",
 ]
 
 

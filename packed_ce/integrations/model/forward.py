@@ -24,6 +24,7 @@ from .guards import checked_call, refuse_shard
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .rotary import with_row_positions
+from .vision import decoder_forward, exact_calls
 
 
 def fusable_reason(model: nn.Module) -> str | None:
@@ -128,7 +129,7 @@ def _fused_linear_forward(model: nn.Module, installation: Installation, kwargs: 
     kwargs.pop("logits_to_keep", None)  # no logits are kept: there are none
     return_dict = kwargs.pop("return_dict", None)
     shift_labels = kwargs.pop(SHIFT_LABELS, None)
-    outputs = model.get_decoder()(**kwargs)
+    outputs = decoder_forward(model)(**kwargs)
     hidden = outputs[0]
     head = model.get_output_embeddings()
     targets, boundaries, options = installation.loss.loss_inputs(
@@ -220,7 +221,7 @@ class PackedForward:
         fused = fused and not args and labels is not None and model.training
         _running.depth = getattr(_running, "depth", 0) + 1
         try:
-            own = _own_forward(model, installation)
+            own = exact_calls(model, _own_forward(model, installation))
             calls = installation.loss.calls
             prepare = functools.partial(prepared, installation)
             with start_audit(model, installation, args, kwargs, own, prepare):

@@ -85,10 +85,17 @@ class PackedNormaliserMixin:
                 "packed_ce.integrations.apply_packed_loss(model) before creating the trainer"
             )
         if not self.model_accepts_loss_kwargs:
-            raise ValueError(
-                f"{type(self.model).__name__}.forward takes no **kwargs, so the trainer could not "
-                "pass num_items_in_batch to the packed loss"
-            )
+            forward = inspect.signature(base_model(self.model).forward).parameters.values()
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in forward):
+                raise ValueError(
+                    f"{type(self.model).__name__}.forward takes no **kwargs, so the trainer could "
+                    "not pass num_items_in_batch to the packed loss"
+                )
+            # transformers marks the vision-language models accepts_loss_kwargs=False: their own
+            # loss is no per-step mean, but their forward hands **kwargs to loss_function, where
+            # the packed loss takes num_items_in_batch (the Trainer would divide each
+            # micro-batch's loss by the accumulation steps once more)
+            self.model_accepts_loss_kwargs = True
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"{type(self).__name__} does not support several GPUs in one process "

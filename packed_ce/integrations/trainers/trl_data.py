@@ -1,5 +1,5 @@
-"""The data of :class:`PackedSFTTrainer`: conversation weights and sources, split packing, and
-assistant-only labels under any chat template.
+"""The data of :class:`PackedSFTTrainer`: conversation weights and sources, split packing,
+assistant-only labels under any chat template, and conversations with images.
 
 trl's packing keeps no column beside the tokens, loses the target at each ``bfd_split`` cut, and
 refuses ``assistant_only_loss`` without ``{% generation %}`` markers; here
@@ -15,14 +15,18 @@ from typing import Any
 import torch
 
 from collators.collate import example_values, sequence_columns
+from collators.images import IMAGE_COLUMN
 from packed_ce.columns import (
     CU_SEQ_LENS_Q,
     CU_SEQLENS,
+    IMAGES,
     INPUT_IDS,
     LABELS,
     SEQ_LENGTHS,
     SEQUENCE_COLUMNS,
 )
+
+from .data_checks import skip_or_refuse_without_targets
 
 
 def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
@@ -56,6 +60,63 @@ def pack(dataset, max_length: int, strategy: str):
     carried = [column.column for column in SEQUENCE_COLUMNS if column.column]
     columns = [c for c in (INPUT_IDS, LABELS, *carried) if c in names]
     return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
+
+
+def has_images(dataset) -> bool:
+    """Whether ``dataset`` holds conversations with images: an ``images`` or ``image`` column (what
+    trl reads as a vision data set).
+    """
+    if dataset is None:
+        return False
+    if isinstance(dataset, dict):
+        return any(has_images(data) for data in dataset.values())
+    names = getattr(dataset, "column_names", None)
+    if names is None:  # an IterableDataset may not know its columns before its first row
+        names = list(next(iter(dataset)))
+    return IMAGES in names or IMAGE_COLUMN in names
+
+
+def vision_rows(dataset, processor, args, packing: bool, name: str, trainer: str, skip: bool):
+    """Conversations with images as :class:`PackedSFTTrainer` trains them: tokenized with the
+    processor (:func:`collators.tokenize_dataset`: at most ``max_length`` tokens, cut before the
+    first image that does not fit whole; the assistant turns trained with ``assistant_only_loss``,
+    else every token but the images'), packed best-fit-decreasing with ``packing``. Rows tokenized
+    already (``input_ids``) are used as they are.
+
+    Raises:
+        ValueError: data that is not conversational (``messages``), ``packing_strategy="bfd_split"``
+            (a cut would fall where an image may lie), ``packing`` without ``max_length``.
+    """
+    import collators
+
+    names = getattr(dataset, "column_names", None) or list(next(iter(dataset)))
+    if INPUT_IDS in names:
+        return dataset
+    if "messages" not in names:
+        raise ValueError(
+            f"{trainer}: `{name}` has images but no `messages` column: data with images is "
+            "trained as conversations (messages with {'type': 'image'} parts and an images "
+            "column, trl's format)"
+        )
+    if packing and args.packing_strategy == "bfd_split":
+        raise ValueError(
+            f"{trainer}: packing_strategy='bfd_split' splits long conversations where a cut may "
+            "fall inside an image; with images use packing_strategy='bfd' (a conversation longer "
+            "than max_length is cut before the first image that does not fit whole)"
+        )
+    if packing and args.max_length is None:
+        raise ValueError(f"{trainer}: packing=True needs max_length (the row length)")
+    num_proc = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
+    rows = collators.tokenize_dataset(
+        dataset,
+        processor,
+        max_length=args.max_length,
+        skip_no_assistant=skip,
+        assistant_only=args.assistant_only_loss,
+        **num_proc,
+    )
+    rows = skip_or_refuse_without_targets(rows, name, trainer, skip)
+    return collators.pack_dataset(rows, args.max_length, **num_proc) if packing else rows
 
 
 def is_packed(dataset) -> bool:

@@ -25,7 +25,9 @@ from trl.chat_template_utils import has_generation_markers
 from trl.data_utils import is_conversational
 from trl.trainer.utils import get_config_model_id
 
-from packed_ce.columns import ATTENTION_MASK, INPUT_IDS, source_names
+from collators.vision import is_processor
+from collators.vision_collate import VisionCollator
+from packed_ce.columns import ATTENTION_MASK, IMAGES, INPUT_IDS, LABELS, source_names
 
 from ...stats import TokenStats
 from ..model.forward import fusable_reason
@@ -33,7 +35,7 @@ from ..model.install import apply_packed_loss
 from ..model.installation import base_model, installation_of, packed_loss_of
 from ..model.loss import TOKEN_STATS_KEY
 from . import data_checks, trl_data
-from .data_checks import check_datasets, skip_or_refuse_without_targets
+from .data_checks import check_datasets, each_dataset, skip_or_refuse_without_targets
 from .seams import warn_if_untested_trl
 from .transformers_trainer import (
     PackedNormaliserMixin,
@@ -107,7 +109,12 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
-        if config.assistant_only_loss:
+        self._vision = is_processor(bound.get("processing_class")) and trl_data.has_images(
+            bound.get("train_dataset")
+        )
+        if self._vision:
+            hidden = self._prepare_vision(bound, config)
+        elif config.assistant_only_loss:
             template = getattr(bound.get("processing_class"), "chat_template", None)
             # trl refuses such a template (or swaps in one of its own for a few known ones):
             # the assistant turns are found by collators.tokenize_conversation instead
@@ -120,11 +127,82 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
         finally:
             if self._own_assistant_labels:
                 config.assistant_only_loss = True
+            if self._vision:
+                for key, value in hidden.items():
+                    setattr(config, key, value)
         if packed_loss_of(self.model) is None:
             fused = fusable_reason(base_model(self.model)) is None
             apply_packed_loss(self.model, is_packed=True, fused_linear=fused)
         self._check_packed_setup()
-        self.data_collator = trl_data.SequenceColumns(self.data_collator, self.padding_free)
+        if self._vision:
+            self.padding_free = config.packing or config.padding_free
+        else:
+            self.data_collator = trl_data.SequenceColumns(self.data_collator, self.padding_free)
+
+    def _prepare_vision(self, bound: dict, config: SFTConfig) -> dict:
+        """Data with images, prepared here (:func:`trl_data.vision_rows`) and collated by
+        :class:`collators.VisionCollator` (one packed row with ``packing`` or ``padding_free``,
+        else one padded row per conversation).
+
+        trl refuses packing, padding-free and (transformers < 5.18) ``assistant_only_loss`` for
+        data with images and collates them itself, one padded row each: the options are hidden
+        from its constructor, which then takes the prepared rows as they are.
+
+        Returns:
+            the options hidden from trl's constructor, to restore after it.
+        """
+        processor = bound["processing_class"]
+        eval_packing = config.packing if config.eval_packing is None else config.eval_packing
+        for key, packing in (("train_dataset", config.packing), ("eval_dataset", eval_packing)):
+            bound[key] = self._vision_rows(bound.get(key), key, processor, config, packing)
+        if bound.get("data_collator") is None:
+            bound["data_collator"] = VisionCollator(
+                processor,
+                packed=config.packing or config.padding_free,
+                pad_to_multiple_of=config.pad_to_multiple_of,
+            )
+        hidden = {
+            key: getattr(config, key)
+            for key in ("packing", "padding_free", "assistant_only_loss", "eval_packing")
+        }
+        config.packing = config.padding_free = config.assistant_only_loss = False
+        config.eval_packing = None
+        return hidden
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # trl keeps a vision data set's raw columns (messages, images) for its own collator; the
+        # rows prepared here are tokens and images
+        if self._vision and self._signature_columns is None:
+            self._signature_columns = [INPUT_IDS, LABELS, IMAGES]
+        super()._set_signature_columns_if_needed()
+
+    def _vision_rows(self, argument, name: str, processor, config: SFTConfig, packing: bool):
+        """:func:`trl_data.vision_rows` of a ``train_dataset`` / ``eval_dataset`` argument."""
+        return each_dataset(
+            argument,
+            name,
+            lambda data, where: trl_data.vision_rows(
+                data,
+                processor,
+                config,
+                packing,
+                where,
+                type(self).__name__,
+                self._skip_no_assistant,
+            ),
+        )
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The evaluation of trl, a data set with images given here prepared as at construction
+        (trl leaves it raw for its own collator).
+        """
+        if self._vision and eval_dataset is not None and not isinstance(eval_dataset, str):
+            args = self.args
+            packing = args.packing if args.eval_packing is None else args.eval_packing
+            eval_dataset = self._vision_rows(
+                eval_dataset, "eval_dataset", self.processing_class, args, packing
+            )
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _router_loss(self) -> float:
         """TRL's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
