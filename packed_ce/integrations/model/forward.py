@@ -19,7 +19,7 @@ from packed_ce.columns import LABELS, ROW_LAYOUT, SHIFT_LABELS
 
 from .audit import start_audit
 from .families import UNFUSABLE_CONFIG_FIELDS
-from .guards import call_tokens, checked_call, refuse_shard
+from .guards import call_tokens, checked_call, refuse_shard, refuse_zero_embedding_tokens
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .mixers import with_boundaries
@@ -210,6 +210,7 @@ class PackedForward:
         else:
             kwargs = context_parallel.prepare(model, kwargs)
         kwargs = checked_call(args, kwargs)
+        refuse_zero_embedding_tokens(model, kwargs)
         if installation.mixers and ROW_LAYOUT not in kwargs:
             kwargs = with_boundaries(kwargs, _tokens_shape(args, kwargs))
         if installation.rotary_hooks:
