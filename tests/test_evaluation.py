@@ -287,7 +287,8 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
 
 def test_eval_set_without_length_over_processes_is_refused():
     """accelerate's ``IterableDatasetShard`` completes the last batch with copies that nothing
-    tells apart: refused naming the fix; with ``drop_last`` (no copies) or one process, taken."""
+    tells apart, and a ``datasets`` stream split by its shards gives processes uneven batches:
+    refused naming the fix; with ``drop_last`` (no copies) or one process, taken."""
     from types import SimpleNamespace
 
     from accelerate.data_loader import IterableDatasetShard
@@ -304,3 +305,11 @@ def test_eval_set_without_length_over_processes_is_refused():
     assert copies_layout(SimpleNamespace(dataset=shard), 1, "PackedTrainer") is None
     dropping = IterableDatasetShard(Stream(), batch_size=2, drop_last=True, num_processes=2)
     assert copies_layout(SimpleNamespace(dataset=dropping), 2, "PackedTrainer") is None
+    # a datasets stream of enough shards, which accelerate splits by shard (each process collating
+    # its own batches): the processes' batch counts may differ
+    from datasets import Dataset
+
+    shards = Dataset.from_dict({"x": list(range(5))}).to_iterable_dataset(num_shards=2)
+    with pytest.raises(ValueError, match="different numbers of batches"):
+        copies_layout(SimpleNamespace(dataset=shards.shard(2, 0)), 2, "PackedTrainer")
+    assert copies_layout(SimpleNamespace(dataset=shards), 1, "PackedTrainer") is None
