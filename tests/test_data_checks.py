@@ -223,3 +223,34 @@ def test_no_target_left_after_trls_truncation_is_named_or_skipped(tmp_path, capl
                                    processing_class=sft_tokenizer(), skip_no_assistant=True)
     assert "skipped 1 of 4 conversations without a target after truncation" in caplog.text
     assert trainer.train_dataset.num_rows == 3 and "packed_ce_row" not in trainer.train_dataset.column_names
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["refused", "skip_no_assistant"])
+@pytest.mark.parametrize(
+    "layout, match",
+    [(dict(packing=True, max_length=8), r"no conversation of `train_dataset` has a target left after truncation "
+                                         r"to max_length=8 \(4 of 4 truncated, 4 left without a target\)"),
+     (dict(max_length=8), r"no conversation of `train_dataset` has a target left after truncation to "
+                          r"max_length=8 \(4 of 4 without one\)")],
+    ids=["packing", "padded"],
+)
+def test_nothing_left_to_train_after_truncation_is_refused(layout, match, skip, tmp_path):
+    """A max_length shorter than every prompt: with packing the rows held no target and the trainer
+    trained to the end with loss 0 and unchanged parameters (only a statistics line said so);
+    padded, trl dropped every row and torch failed on an empty sampler. Refused, naming max_length
+    and the count, as `packed-ce pack` refuses the same data, with or without skipping."""
+    data = collators.load_default_dataset().select(range(4))
+    args = sft_args(tmp_path, assistant_only_loss=True, **layout)
+    with pytest.raises(ValueError, match=match):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=data,
+                         processing_class=sft_tokenizer(), skip_no_assistant=skip)
+
+
+def test_packed_rows_without_any_target_are_refused_with_skip_no_assistant(tmp_path):
+    """Packed rows whose every conversation lost its targets to truncation: skip_no_assistant=True
+    kept them in their rows, weighing nothing, and the trainers trained on nothing."""
+    tokenized = collators.tokenize_dataset(collators.load_default_dataset().select(range(4)), sft_tokenizer())
+    rows = collators.pack_dataset(tokenized, max_length=8)
+    for make in TRAINERS.values():
+        with pytest.raises(ValueError, match=r"no conversation of `train_dataset` has a target \(4 in its packed rows"):
+            make(tiny_causal_lm(VOCAB), rows, tmp_path, packing=True, max_length=8, skip_no_assistant=True)

@@ -146,7 +146,8 @@ def skip_or_refuse_without_targets(
     may lie in another row.
 
     Raises:
-        ValueError naming the row and the fix; naming the data set when no row is left.
+        ValueError naming the row and the fix; naming the data set when no row is left (packed:
+            no conversation has a target).
     """
     if not isinstance(dataset, datasets.Dataset) or not {INPUT_IDS, LABELS} <= set(
         dataset.column_names
@@ -213,6 +214,14 @@ def skip_or_refuse_without_targets(
             missing.extend((row + rows[without]).tolist())
         row += len(tokens)
     if packed:
+        if missing and len(missing) == counted:
+            raise ValueError(
+                f"no conversation of `{name}` has a target ({counted} in its packed rows, none "
+                f"with a label other than {ignore_index} after its first token), so nothing would "
+                "train: "
+                "pack conversations with assistant turns (collators.pack_dataset counts those "
+                "truncation leaves without one: raise its max_length, or overflow='split')."
+            )
         if missing:
             logger.warning(
                 "%s: %d of %d conversations have no target; they stay in their packed rows and "
@@ -241,7 +250,7 @@ def skip_or_refuse_dropped(
 ):
     """TRL's preparation after truncating to ``max_length`` drops, without a word, the rows left
     without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
-    or with ``skip`` a logged count; the index column is removed.
+    or with ``skip`` a logged count (an error when none is left); the index column is removed.
 
     Args:
         prepared: trl's prepared data set, from :func:`numbered` data of ``given`` rows.
@@ -252,11 +261,20 @@ def skip_or_refuse_dropped(
     kept[np.asarray(prepared[ROW_INDEX], dtype=np.int64)] = True
     prepared = prepared.remove_columns(ROW_INDEX)
     dropped = np.flatnonzero(~kept)
+    fixes = (
+        "raise max_length, or use packing=True with packing_strategy='bfd_split' (long "
+        "conversations split across rows, every target trained once)"
+    )
+    if dropped.size and dropped.size == given:
+        raise ValueError(
+            f"no conversation of `{name}` has a target left after truncation to "
+            f"max_length={max_length} ({given} of {given} without one), so nothing would train: "
+            f"{fixes}."
+        )
     if dropped.size and not skip:
         raise ValueError(
             f"`{name}[{dropped[0]}]` has no target left after truncation to "
-            f"max_length={max_length} ({dropped.size} such rows): raise max_length, use "
-            "packing=True (which keeps or splits long conversations), or pass "
+            f"max_length={max_length} ({dropped.size} such rows): {fixes}, or pass "
             f"skip_no_assistant=True to {trainer} to skip them (counted and logged)."
         )
     if dropped.size:

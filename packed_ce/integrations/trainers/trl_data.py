@@ -41,12 +41,16 @@ def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     return dataset.map(tokenize, remove_columns=["messages"], **map_kwargs)
 
 
-def pack(dataset, max_length: int, strategy: str):
+def pack(dataset, max_length: int, strategy: str, name: str, trainer: str):
     """Best-fit-decreasing rows of ``max_length`` tokens; ``"bfd_split"`` splits long conversations.
 
     Every target trains once and a split conversation weighs as one (:mod:`collators.packing`).
     Only the tokens and the data set columns of ``SEQUENCE_COLUMNS`` are packed (not trl's raw
     ``messages``).
+
+    Raises:
+        ValueError naming ``name`` and ``max_length``: no conversation has a target left after
+            truncation to ``max_length`` (``"bfd"``), so nothing would train (the loss 0).
     """
     import collators
 
@@ -55,7 +59,18 @@ def pack(dataset, max_length: int, strategy: str):
     names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
     carried = [column.column for column in SEQUENCE_COLUMNS if column.column]
     columns = [c for c in (INPUT_IDS, LABELS, *carried) if c in names]
-    return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
+    rows, stats = collators.pack_dataset(
+        dataset.select_columns(columns), max_length, overflow=overflow, return_stats=True
+    )
+    if stats.num_packed and stats.num_without_targets == stats.num_packed:
+        raise ValueError(
+            f"{trainer}: no conversation of `{name}` has a target left after truncation to "
+            f"max_length={max_length} ({stats.num_truncated} of {stats.num_packed} truncated, "
+            f"{stats.num_without_targets} left without a target), so nothing would train: raise "
+            "max_length, or use packing_strategy='bfd_split' (long conversations split across "
+            "rows, every target trained once)"
+        )
+    return rows
 
 
 def is_packed(dataset) -> bool:

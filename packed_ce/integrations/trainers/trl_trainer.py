@@ -175,7 +175,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             dataset, processing_class, whole, False, formatting_func, name
         )
         unpacked = self._without_targets(unpacked, name)
-        return trl_data.pack(unpacked, args.max_length, args.packing_strategy)
+        return trl_data.pack(
+            unpacked, args.max_length, args.packing_strategy, f"{name}_dataset", type(self).__name__
+        )
 
     def _without_targets(self, prepared, name: str):
         """The prepared rows, checked for a target each (trl's truncation, an empty completion):
