@@ -201,6 +201,20 @@ def sft_tokenizer():
     return collators.load_default_tokenizer()
 
 
+def without_generation_markers(tokenizer):
+    """A copy of ``tokenizer`` whose template has its ``{% generation %}`` markers taken out (trl
+    refuses such a template with assistant_only_loss; PackedSFTTrainer labels it with
+    collators.tokenize_conversation)."""
+    import copy
+    import re
+
+    marker = r"\{%-?\s*(end)?generation\s*-?%\}"
+    tokenizer = copy.deepcopy(tokenizer)
+    assert re.search(marker, tokenizer.chat_template)
+    tokenizer.chat_template = re.sub(marker, "", tokenizer.chat_template)
+    return tokenizer
+
+
 def sft_args(output_dir, **overrides):
     """An ``SFTConfig`` for exact comparisons: float32 (trl's default is bf16), plain steps."""
     from trl import SFTConfig
@@ -257,3 +271,93 @@ def per_conversation_sgd_step(
             if p.grad is not None:
                 p -= lr * p.grad
     return loss.detach()
+
+
+# --- tool-calling and reasoning conversations ----------------------------------------------------
+
+
+def _tool(name: str, description: str, **parameters) -> dict:
+    properties = {key: {"type": kind} for key, kind in parameters.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(parameters)},
+        },
+    }
+
+
+def _call(name: str, **arguments) -> dict:
+    """An OpenAI-style tool call, its arguments as JSON text (as the API gives them)."""
+    import json
+
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+WEATHER = _tool("get_weather", "The weather in a city now.", city="string")
+CALCULATOR = _tool("calculate", "Evaluates an arithmetic expression.", expression="string")
+SEARCH = _tool("search", "Searches the web.", query="string")
+
+# Tool definitions, assistant tool calls (one, two in parallel, none), tool results and thinking
+# content, with the tools each conversation is given.
+TOOL_CONVERSATIONS = [
+    (
+        [WEATHER],
+        [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "reasoning_content": "The user wants the weather: call the tool.",
+             "tool_calls": [_call("get_weather", city="Paris")]},
+            {"role": "tool", "content": "sunny, 21C"},
+            {"role": "assistant", "reasoning_content": "Report it.",
+             "content": "It is sunny and 21C in Paris."},
+        ],
+    ),
+    (
+        [CALCULATOR, SEARCH],
+        [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": "What is 6 times 7, and who wrote Dune?"},
+            {"role": "assistant", "reasoning_content": "Two questions: one tool each.",
+             "tool_calls": [_call("calculate", expression="6*7"), _call("search", query="Dune author")]},
+            {"role": "tool", "content": "42"},
+            {"role": "tool", "content": "Frank Herbert"},
+            {"role": "assistant", "content": "6 times 7 is 42, and Frank Herbert wrote Dune."},
+            {"role": "user", "content": "Thanks!"},
+            {"role": "assistant", "content": "You are welcome."},
+        ],
+    ),
+    (
+        [WEATHER, CALCULATOR],
+        [
+            {"role": "user", "content": "Hi, how are you?"},
+            {"role": "assistant", "reasoning_content": "A greeting: no tool needed.",
+             "content": "Very well, thank you. How can I help?"},
+        ],
+    ),
+    (
+        [SEARCH],
+        [
+            {"role": "user", "content": "Find the tallest mountain."},
+            {"role": "assistant", "tool_calls": [_call("search", query="tallest mountain")]},
+            {"role": "tool", "content": "Mount Everest, 8849 m"},
+            {"role": "assistant", "reasoning_content": "The search answered it.",
+             "content": "Mount Everest, at 8849 m."},
+        ],
+    ),
+]
+
+
+def tool_dataset(tools_as_json: bool = True):
+    """:data:`TOOL_CONVERSATIONS` as a ``datasets.Dataset`` of ``messages`` and ``tools`` (each
+    row's tool definitions: JSON text, as trl's documentation writes them, or a list)."""
+    import json
+
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "messages": [messages for _, messages in TOOL_CONVERSATIONS],
+            "tools": [json.dumps(tools) if tools_as_json else tools for tools, _ in TOOL_CONVERSATIONS],
+        }
+    )

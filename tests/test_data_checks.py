@@ -30,6 +30,7 @@ from integration_utils import (  # noqa: E402
     sgd,
     snapshot,
     synthetic_conversations,
+    without_generation_markers,
 )
 
 VOCAB = 3072  # the default tokenizer's size
@@ -158,10 +159,7 @@ def with_a_user_only_conversation(row: int = 3):
 def test_no_assistant_turn_is_named_before_tokenising_or_skipped(markers, tmp_path, monkeypatch, caplog):
     """trl's own error blames the `{% generation %}` markers, and the unmarked path's suggests an
     option the trainer lacked; neither named the row."""
-    tokenizer = copy.deepcopy(sft_tokenizer())
-    if not markers:
-        tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace(
-            "{% endgeneration %}", "")
+    tokenizer = sft_tokenizer() if markers else without_generation_markers(sft_tokenizer())
     data = with_a_user_only_conversation()
     args = dict(assistant_only_loss=True, padding_free=True, max_length=None, per_device_train_batch_size=6)
     prepared = []

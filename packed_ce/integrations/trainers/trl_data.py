@@ -32,13 +32,32 @@ def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     ``assistant_only_loss``.
     """
     import collators
+    from collators.chat import template_inputs
 
     def tokenize(example):
         return collators.tokenize_conversation(
-            tokenizer, example["messages"], tools=example.get("tools")
+            tokenizer, example["messages"], **template_inputs(example)
         )
 
     return dataset.map(tokenize, remove_columns=["messages"], **map_kwargs)
+
+
+def documents_as_template_kwargs(dataset, map_kwargs: dict):
+    """``dataset`` with its ``documents`` column moved into ``chat_template_kwargs``, where trl's
+    tokenisation passes it to the chat template (trl 1.16 passes a row's ``tools`` and
+    ``chat_template_kwargs``, and leaves ``documents`` out: its prompts would train without the
+    documents). Data without the column are returned as they are.
+    """
+    names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
+    if "documents" not in names:
+        return dataset
+
+    def move(example):
+        kwargs = dict(example.get("chat_template_kwargs") or {})
+        kwargs["documents"] = example["documents"]
+        return {"chat_template_kwargs": kwargs}
+
+    return dataset.map(move, remove_columns=["documents"], **map_kwargs)
 
 
 def pack(dataset, max_length: int, strategy: str, name: str, trainer: str):

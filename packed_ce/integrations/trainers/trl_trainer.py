@@ -133,19 +133,22 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
         """TRL's preparation, with this trainer's packing and, where needed, its labels.
 
-        Without generation markers, ``assistant_only_loss`` data is tokenised by
-        :func:`trl_data.assistant_labels` first; with ``packing=True`` the rows come from
-        :func:`trl_data.pack`, which carries ``weight`` and ``source`` to every piece. Rows packed
-        already (``seq_lengths``) are used as they are, under ``packing=True`` or ``False``
-        (:func:`trl_data.packed_rows`).
+        A conversational data set's ``documents`` column reaches the chat template
+        (:func:`trl_data.documents_as_template_kwargs`). Without generation markers,
+        ``assistant_only_loss`` data is tokenised by :func:`trl_data.assistant_labels` first; with
+        ``packing=True`` the rows come from :func:`trl_data.pack`, which carries ``weight`` and
+        ``source`` to every piece. Rows packed already (``seq_lengths``) are used as they are,
+        under ``packing=True`` or ``False`` (:func:`trl_data.packed_rows`).
         """
         if trl_data.is_packed(dataset):  # rows of collators.pack_dataset, packed-ce pack, ...
             return trl_data.packed_rows(
                 dataset, f"{name}_dataset", type(self).__name__, self.padding_free
             )
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
-        if self._own_assistant_labels and is_conversational(next(iter(dataset))):
-            dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
+        if is_conversational(next(iter(dataset))):
+            dataset = trl_data.documents_as_template_kwargs(dataset, map_kwargs)
+            if self._own_assistant_labels:
+                dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
             given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
