@@ -252,3 +252,65 @@ def test_packed_rows_without_any_target_are_refused_with_skip_no_assistant(tmp_p
     for make in TRAINERS.values():
         with pytest.raises(ValueError, match=r"no conversation of `train_dataset` has a target \(4 in its packed rows"):
             make(tiny_causal_lm(VOCAB), rows, tmp_path, packing=True, max_length=8, skip_no_assistant=True)
+
+
+# --- conversations where trl does not read them --------------------------------------------------
+
+
+def sharegpt(messages):
+    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+            for m in messages]
+
+
+def to_messages(data):
+    """The fix the errors name, as they write it."""
+    return data.map(lambda row: {'messages': [{'role': {'human': 'user', 'gpt': 'assistant'}.get(m['from'], m['from']),
+                                               'content': m['value']} for m in row['messages']]})
+
+
+@pytest.mark.parametrize("assistant_only", [True, False], ids=["assistant_only_loss", "all-tokens"])
+def test_conversations_where_trl_does_not_read_them_are_named_with_the_fix(assistant_only, tmp_path):
+    """A `conversation` column got trl's "the dataset is not conversational" (or KeyError 'text');
+    ShareGPT keys inside `messages` got "has no assistant turn ... pass skip_no_assistant=True",
+    which would skip everything (or KeyError 'text'). Each is named with its fix, and the fix
+    works."""
+    data = collators.load_default_dataset().select(range(4)).remove_columns("category")
+    args = sft_args(tmp_path, assistant_only_loss=assistant_only, padding_free=True, max_length=None)
+
+    def build(dataset, **kwargs):
+        return PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=dataset,
+                                processing_class=sft_tokenizer(), **kwargs)
+
+    renamed = data.rename_column("messages", "conversation")
+    with pytest.raises(ValueError, match=r"`train_dataset` has no 'messages' column, and its column 'conversation' "
+                                         r"holds conversations.*dataset.rename_column\('conversation', 'messages'\)"):
+        build(renamed)
+    keyed = data.map(lambda row: {"messages": sharegpt(row["messages"])})
+    with pytest.raises(ValueError, match=r"`train_dataset\[0\]\['messages'\]\[0\]` has ShareGPT's key\(s\) "
+                                         r"\['from', 'value'\], not 'role' and 'content': map them"):
+        build(keyed, skip_no_assistant=True)
+    expected = build(data).train_dataset
+    for fixed in (renamed.rename_column("conversation", "messages"), to_messages(keyed)):
+        assert build(fixed).train_dataset["input_ids"] == expected["input_ids"]
+    # ShareGPT's own column: trl renames its keys, but not its roles 'human' and 'gpt' (which the
+    # template rendered as they are), and not under assistant_only_loss: named, with both fixes
+    shared = keyed.rename_column("messages", "conversations")
+    with pytest.raises(ValueError, match=r"column 'conversations' holds conversations.*ShareGPT's keys"):
+        build(shared)
+    fixed = to_messages(shared.rename_column("conversations", "messages"))
+    assert build(fixed).train_dataset["input_ids"] == expected["input_ids"]
+    if not assistant_only:  # with the roles of the messages format, trl's own conversion is taken
+        roles = data.map(lambda row: {"conversations": [{"from": m["role"], "value": m["content"]}
+                                                        for m in row["messages"]]}, remove_columns="messages")
+        assert build(roles).train_dataset["input_ids"] == expected["input_ids"]
+
+
+def test_sharegpt_keys_in_a_later_row_are_named_not_skipped(tmp_path):
+    data = collators.load_default_dataset().select(range(4)).remove_columns("category")
+    messages = list(data["messages"])
+    messages[2] = sharegpt(messages[2])
+    mixed = Dataset.from_dict({"messages": messages})
+    args = sft_args(tmp_path, assistant_only_loss=True, padding_free=True, max_length=None)
+    with pytest.raises(ValueError, match=r"`train_dataset\[2\]\['messages'\]\[0\]` has ShareGPT's key\(s\)"):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=mixed,
+                         processing_class=sft_tokenizer(), skip_no_assistant=True)

@@ -24,12 +24,19 @@ _BATCH_ROWS = 65536
 
 
 def check_datasets(
-    arguments: dict, trainer: str, skip: bool, *, assistant_only: bool = False
+    arguments: dict,
+    trainer: str,
+    skip: bool,
+    *,
+    assistant_only: bool = False,
+    text_field: str | None = None,
 ) -> None:
     """A trainer's checks before its construction, on its bound ``train_dataset`` and
     ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
     not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
-    tokenised data) a target in every conversation, or ``skip`` them.
+    tokenised data) a target in every conversation, or ``skip`` them. With ``text_field`` (trl's
+    ``dataset_text_field``), the conversations where trl reads them
+    (:func:`check_conversation_columns`).
     """
     if not isinstance(skip, bool):
         raise TypeError(
@@ -39,6 +46,8 @@ def check_datasets(
     def check(dataset, name):
         check_columns(dataset, name)
         check_not_empty(dataset, name)
+        if text_field is not None:
+            check_conversation_columns(dataset, name, trainer, text_field, assistant_only)
         if assistant_only:
             dataset = skip_or_refuse_without_assistant(dataset, name, trainer, skip)
         return skip_or_refuse_without_targets(dataset, name, trainer, skip)
@@ -100,6 +109,57 @@ def check_columns(dataset, name: str) -> None:
                 column.check_together(np.asarray(values, dtype=np.float64), where, name)
 
 
+def check_conversation_columns(
+    dataset, name: str, trainer: str, text_field: str, assistant_only: bool
+) -> None:
+    """Conversations where trl reads them, found from the first row: in ``messages`` with ``role``
+    and ``content`` keys. trl's errors for a column of another name (``conversation``, or ShareGPT's
+    ``conversations`` under ``assistant_only_loss``) named no column, ShareGPT's ``from`` /
+    ``value`` keys inside ``messages`` read as conversations without an assistant turn, and trl's
+    conversion of ShareGPT's ``conversations`` keeps its roles ``human`` and ``gpt``, which a
+    template renders as they are.
+
+    Raises:
+        ValueError naming the column (and the fix, a rename) or the message and its keys (and the
+        fix, a map).
+    """
+    from trl.data_utils import is_conversational_from_value
+
+    from collators.chat import SHAREGPT_FIX, is_conversation, sharegpt_keys
+
+    first = next(iter(dataset), None) if isinstance(dataset, datasets.IterableDataset) else None
+    if isinstance(dataset, datasets.Dataset) and dataset.num_rows:
+        first = dataset[0]
+    if not isinstance(first, dict):
+        return
+    read = {INPUT_IDS, "messages", "prompt", "completion", text_field}
+    roles = {m.get("from") for m in first.get("conversations") or [] if isinstance(m, dict)}
+    if not assistant_only and is_conversational_from_value(first) and not roles & {"human", "gpt"}:
+        read.add("conversations")  # trl renames it and its keys (not ShareGPT's roles) itself
+    if not read & set(first):
+        found = next((column for column, value in first.items() if is_conversation(value)), None)
+        if found is not None:
+            sharegpt = sharegpt_keys(first[found][0])
+            # trl converts ShareGPT's column, keeping its roles, and refuses it with
+            # assistant_only_loss
+            why = (
+                "whose roles trl's conversion keeps as they are (and which it refuses with "
+                "assistant_only_loss)"
+                if found == "conversations" and sharegpt
+                else f"which {trainer} (as trl) reads from 'messages'"
+            )
+            raise ValueError(
+                f"`{name}` has no 'messages' column, and its column {found!r} holds "
+                f"conversations, {why}: rename it, dataset.rename_column({found!r}, 'messages')"
+                + (f"; its messages have ShareGPT's keys: {SHAREGPT_FIX}" if sharegpt else "")
+                + "."
+            )
+    for index, message in enumerate(first.get("messages") or []):
+        sharegpt = sharegpt_keys(message)
+        if sharegpt:
+            raise ValueError(f"`{name}[0]['messages'][{index}]` {sharegpt}.")
+
+
 def check_not_empty(dataset, name: str) -> None:
     """ValueError naming ``dataset`` when it has no row (an ``IterableDataset`` is not counted)."""
     try:
@@ -119,13 +179,19 @@ def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: boo
     """
     if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
         return dataset
+    from collators.chat import sharegpt_keys
+
     rows = dataset.select_columns(["messages"]).iter(batch_size=_BATCH_ROWS)
     conversations = (messages for batch in rows for messages in batch["messages"])
-    missing = [
-        row
-        for row, messages in enumerate(conversations)
-        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or [])
-    ]
+    missing = []
+    for row, messages in enumerate(conversations):
+        if any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or []):
+            continue
+        for index, message in enumerate(messages or []):
+            keys = sharegpt_keys(message)
+            if keys:  # its roles are under another key: skipping it would leave out its data
+                raise ValueError(f"`{name}[{row}]['messages'][{index}]` {keys}.")
+        missing.append(row)
     if missing and not skip:
         raise ValueError(
             f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss "

@@ -101,7 +101,11 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             bound.get("preprocess_logits_for_metrics"),
         )
         check_datasets(
-            bound, type(self).__name__, skip_no_assistant, assistant_only=config.assistant_only_loss
+            bound,
+            type(self).__name__,
+            skip_no_assistant,
+            assistant_only=config.assistant_only_loss,
+            text_field=config.dataset_text_field,
         )
         self._skip_no_assistant = skip_no_assistant
         # the sources of the raw data (packing moves them to seq_sources)
