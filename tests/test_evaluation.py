@@ -313,3 +313,37 @@ def test_eval_set_without_length_over_processes_is_refused():
     with pytest.raises(ValueError, match="different numbers of batches"):
         copies_layout(SimpleNamespace(dataset=shards.shard(2, 0)), 2, "PackedTrainer")
     assert copies_layout(SimpleNamespace(dataset=shards), 1, "PackedTrainer") is None
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+@pytest.mark.parametrize(
+    "layout", [dict(padding_free=True, max_length=None), dict(packing=True, max_length=512)],
+    ids=["padding_free", "packing"],
+)
+def test_predict_prepares_untokenised_conversations(layout, tmp_path):
+    """trl's ``predict()`` took a data set of conversations as it was: with a ``source`` or
+    ``weight`` column its collator raised a bare ``KeyError: 'input_ids'`` (without, transformers'
+    "No columns in the dataset match"). PackedSFTTrainer prepares it as ``evaluate()`` does:
+    ``test_loss`` and ``test_loss/<source>`` are the weighted per-conversation means of every
+    conversation alone, and ``evaluate()``'s on the same data."""
+    import collators
+    from packed_ce.integrations import PackedSFTTrainer
+
+    from integration_utils import relative_error, sft_tokenizer
+
+    tokenizer = sft_tokenizer()
+    data = collators.load_default_dataset().select(range(7)).remove_columns("category")
+    data = data.add_column("weight", WEIGHTS).add_column("source", SOURCES)
+    trainer = PackedSFTTrainer(model=tiny_causal_lm(len(tokenizer)), args=sft_args(tmp_path, assistant_only_loss=True,
+                                                                                  per_device_eval_batch_size=2, **layout),
+                               train_dataset=data, processing_class=tokenizer)
+    metrics = trainer.predict(data).metrics
+    found = [collators.tokenize_conversation(tokenizer, m) for m in data["messages"]]
+    with torch.no_grad():
+        expected = one_at_a_time(trainer.model, found, WEIGHTS)
+        assert relative_error(torch.tensor(metrics["test_loss"]), expected) <= 1e-5
+        for source in set(SOURCES):
+            picked = [i for i, s in enumerate(SOURCES) if s == source]
+            mean = one_at_a_time(trainer.model, [found[i] for i in picked], [WEIGHTS[i] for i in picked])
+            assert relative_error(torch.tensor(metrics[f"test_loss/{source}"]), mean) <= 1e-5
+    assert metrics["test_loss"] == pytest.approx(trainer.evaluate(data)["eval_loss"], rel=1e-12)

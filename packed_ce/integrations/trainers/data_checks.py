@@ -30,9 +30,11 @@ def check_datasets(
     *,
     assistant_only: bool = False,
     text_field: str | None = None,
+    names: tuple[str, ...] = ("train_dataset", "eval_dataset"),
 ) -> None:
     """A trainer's checks before its construction, on its bound ``train_dataset`` and
-    ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
+    ``eval_dataset`` arguments (or the data set arguments ``names`` of a later call), which are
+    replaced in ``arguments`` by the rows kept: the columns,
     not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
     tokenised data) a target in every conversation, or ``skip`` them. With ``text_field`` (trl's
     ``dataset_text_field``), the conversations where trl reads them
@@ -52,7 +54,7 @@ def check_datasets(
             dataset = skip_or_refuse_without_assistant(dataset, name, trainer, skip)
         return skip_or_refuse_without_targets(dataset, name, trainer, skip)
 
-    for name in ("train_dataset", "eval_dataset"):
+    for name in names:
         if arguments.get(name) is not None:
             arguments[name] = each_dataset(arguments[name], name, check)
 

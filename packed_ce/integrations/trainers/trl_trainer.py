@@ -108,6 +108,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             text_field=config.dataset_text_field,
         )
         self._skip_no_assistant = skip_no_assistant
+        self._prediction_formatting = bound.get("formatting_func")  # predict() prepares with it
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
@@ -129,6 +130,52 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             apply_packed_loss(self.model, is_packed=True, fused_linear=fused)
         self._check_packed_setup()
         self.data_collator = trl_data.SequenceColumns(self.data_collator, self.padding_free)
+
+    def _check_later_dataset(self, dataset, name: str):
+        """A data set given to ``evaluate()`` or ``predict()``: the checks of the constructor's
+        data sets (:func:`check_datasets`), the rows kept returned.
+        """
+        found = {name: dataset}
+        check_datasets(
+            found,
+            type(self).__name__,
+            self._skip_no_assistant,
+            assistant_only=self.args.assistant_only_loss,
+            text_field=self.args.dataset_text_field,
+            names=(name,),
+        )
+        return found[name]
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The ``evaluate()`` of trl (which prepares a data set given here), the data set checked
+        as the constructor's are first.
+        """
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._check_later_dataset(eval_dataset, "eval_dataset")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """The Trainer's ``predict()`` on ``test_dataset`` checked and prepared as ``evaluate()``
+        prepares a data set (trl 1.16's ``predict()`` takes it as it is: untokenised
+        conversations reached the collator without ``input_ids``, a bare ``KeyError``).
+
+        Returns:
+            The Trainer's ``PredictionOutput``: ``<prefix>_loss`` the per-conversation mean over
+            the data set (and ``<prefix>_loss/<source>``), the logits and labels of its rows.
+        """
+        test_dataset = self._check_later_dataset(test_dataset, "test_dataset")
+        args = self.args
+        if not (args.dataset_kwargs or {}).get("skip_prepare_dataset", False):
+            packing = args.packing if args.eval_packing is None else args.eval_packing
+            test_dataset = self._prepare_dataset(
+                test_dataset,
+                self.processing_class,
+                args,
+                packing,
+                self._prediction_formatting,
+                metric_key_prefix,
+            )
+        return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
     def _router_loss(self) -> float:
         """TRL's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
