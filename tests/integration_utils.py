@@ -8,10 +8,13 @@ with ``is_packed=True`` must reproduce.
 
 from __future__ import annotations
 
+import datetime
 import functools
-import socket
+import os
+import tempfile
 
 import torch
+import torch.distributed as dist
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from packed_ce_demo import split_rows  # noqa: F401  (re-exported for the tests)
@@ -161,11 +164,32 @@ def assert_loss_close(
     return error
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a process group's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# How long a spawned rank waits for the others (at its rendezvous and in each collective) before
+# it fails rather than hang: far past the slowest legitimate wait on a loaded machine (eight ranks
+# importing torch and transformers on two shared cores), short of blocking the suite.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def rendezvous(directory) -> str:
+    """Where spawned ranks meet: a ``file://`` store in a new file under ``directory``.
+
+    No TCP port: a port found free in the parent (bound, then closed) stayed free only until rank
+    0 listened on it, the seconds the spawned ranks spend importing; on a loaded machine another
+    connection could take it meanwhile, and rank 0 failed with EADDRINUSE.
+    """
+    handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=directory)
+    os.close(handle)  # an empty file: the store's own
+    return f"file://{path}"
+
+
+def start_rank(rank: int, world: int, store: str, backend: str = "gloo", timeout=COLLECTIVE_TIMEOUT):
+    """A spawned rank's process group, met at ``store`` (:func:`rendezvous`), and the environment
+    accelerate reads to see the processes, all on this machine (it takes the group as it is); one
+    thread (ranks on a small machine otherwise fight over its cores)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=timeout)
 
 
 # --- trl's SFTTrainer, one optimiser step over a small data set --------------------------------

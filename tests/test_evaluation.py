@@ -22,9 +22,10 @@ import torch.multiprocessing as mp
 from packed_ce.integrations import tiny_causal_lm
 
 from integration_utils import (
-    free_port,
     one_at_a_time,
+    rendezvous,
     sft_args,
+    start_rank,
     synthetic_conversations,
     tiny_model,
     tiny_tokenizer,
@@ -215,13 +216,10 @@ def test_prediction_metrics_are_refused(trainer_name, option, tmp_path, monkeypa
 WORLD = 2
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, store: str, out_dir: str) -> None:
     """Every two-process layout at every batch size; each rank saves the results and the
     conversations each trainer evaluated."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    start_rank(rank, WORLD, store)
     try:
         results = {}
         for trainer_name, layout in TWO_PROCESS_LAYOUTS:
@@ -240,7 +238,7 @@ def test_eval_loss_on_two_processes_leaves_out_accelerates_copies(tmp_path):
     """Seven conversations over two processes: at batch sizes 1 and 2 the second process's last
     batch holds a copy of the first conversation, at 64 both batches are completed with copies
     (all of the second process's)."""
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
     for key, (results, found) in ranks[0].items():

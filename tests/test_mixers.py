@@ -35,10 +35,11 @@ from integration_utils import (
     assert_gradients_close,
     assert_loss_close,
     flat_relative_error,
-    free_port,
     gradients,
     loss_and_gradients,
     one_at_a_time,
+    rendezvous,
+    start_rank,
     synthetic_conversations,
 )
 
@@ -153,12 +154,8 @@ def cp_batch(world: int) -> dict:
     return PackedCollator(pad_to_multiple_of=2 * world)(conversations())
 
 
-def cp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import datetime
-
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+def cp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    start_rank(rank, world, store)
     try:
         batch = cp_batch(world)
         count = count_num_items(batch)
@@ -175,7 +172,7 @@ def cp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_shares_add_up_to_every_conversation_alone(world, tmp_path):
-    mp.spawn(cp_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(cp_worker, args=(world, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
     for family in CP_FAMILIES:
         ranks = [torch.load(tmp_path / f"{family}-{world}-{rank}.pt") for rank in range(world)]
         model = built(family)
