@@ -166,6 +166,19 @@ def cp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
             loss.backward()
             torch.save({"loss": loss.detach(), "grads": gradients(model)},
                        os.path.join(out_dir, f"{family}-{world}-{rank}.pt"))
+        # Gemma 3n's padding segment of its embedding's padding_idx 0 (NaN gradients) lies in some
+        # ranks' shards: every rank must refuse it, none may wait in a collective for the others
+        found = [{key: [t or 2 for t in c[key]] for key in ("input_ids", "labels")} for c in conversations()]
+        padded = PackedCollator(pad_to_multiple_of=8 * world)(found)
+        local = shard_batch(padded, rank, world)
+        model = enable_context_parallel(apply_packed_loss(built("gemma3n_text"), backend="torch"))
+        try:
+            model(**local, num_items_in_batch=count_num_items(padded))
+            outcome = "ran"
+        except ValueError as error:
+            outcome = str(error)
+        torch.save({"outcome": outcome, "holds": bool((local["input_ids"] == 0).any())},
+                   os.path.join(out_dir, f"gemma3n-{world}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -184,6 +197,9 @@ def test_context_parallel_shares_add_up_to_every_conversation_alone(world, tmp_p
         # ranks' partial sums moves by up to 2e-3 relative, the same in one process
         error = flat_relative_error(grads, expected_grads)
         assert error <= 1e-5, f"{family} on {world} ranks: gradients {error:.1e} from every conversation alone"
+    gemma3n = [torch.load(tmp_path / f"gemma3n-{world}-{rank}.pt") for rank in range(world)]
+    assert 0 < sum(r["holds"] for r in gemma3n) < world  # the padding is in some ranks' shards
+    assert len({r["outcome"] for r in gemma3n}) == 1 and "pad_token_id=1" in gemma3n[0]["outcome"]
 
 
 # --- on a GPU: the installed kernels (flash-linear-attention's gated delta rule where carried) ---

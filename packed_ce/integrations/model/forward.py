@@ -210,7 +210,7 @@ class PackedForward:
         else:
             kwargs = context_parallel.prepare(model, kwargs)
         kwargs = checked_call(args, kwargs)
-        refuse_zero_embedding_tokens(model, kwargs)
+        refuse_zero_embedding_tokens(model, kwargs, context_parallel)
         if installation.mixers and ROW_LAYOUT not in kwargs:
             kwargs = with_boundaries(kwargs, _tokens_shape(args, kwargs))
         if installation.rotary_hooks:

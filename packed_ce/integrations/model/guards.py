@@ -61,25 +61,38 @@ def call_tokens(args: tuple, kwargs: dict) -> Any:
     return tokens
 
 
-def refuse_zero_embedding_tokens(model, kwargs: dict) -> None:
+def refuse_zero_embedding_tokens(model, kwargs: dict, context_parallel=None) -> None:
     """Refuses, where gradients are taken, ``input_ids`` holding the embedding's ``padding_idx`` in
     a family of :data:`ZERO_EMBEDDING_FAMILIES` whose embedding of it is 0: the loss is finite,
     but most gradients would be NaN (a tiny Gemma 3n: 50 of its 59 parameters, on a padding
     segment of ``PackedCollator``'s default ``pad_token_id=0``). Costs one host sync on such
     families only.
+
+    Args:
+        context_parallel: the model's context-parallel state (its ``group`` and ``world_size``),
+            or None: whether any rank's shard holds the token is all-reduced over its group, so
+            that every rank raises (the padding lies in one rank's shard; that rank alone
+            raising would leave the others waiting in a collective).
     """
     family = model.config.get_text_config().model_type
     tokens = kwargs.get(INPUT_IDS)
-    if family not in ZERO_EMBEDDING_FAMILIES or not torch.is_grad_enabled():
-        return
     embedding = model.get_input_embeddings()
     pad = getattr(embedding, "padding_idx", None)
-    if pad is None or not isinstance(tokens, torch.Tensor) or not bool((tokens == pad).any()):
+    if family not in ZERO_EMBEDDING_FAMILIES or not torch.is_grad_enabled() or pad is None:
+        return
+    if not isinstance(tokens, torch.Tensor):
         return
     weight = embedding.weight
+    found = (tokens == pad).any()
     # a tensor subclass (FSDP2's sharded DTensor) is taken as 0: reading its row would be a
-    # collective that only this rank joins
-    if type(weight) is torch.nn.Parameter and bool(weight[pad].any()):
+    # collective that only the ranks holding the token join
+    if type(weight) is torch.nn.Parameter:
+        found &= ~weight[pad].detach().to(found.device).any()
+    if context_parallel is not None and context_parallel.world_size > 1:
+        found = found.to(torch.int64)
+        group = context_parallel.group
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+    if not bool(found):
         return
     other = (pad + 1) % weight.shape[0]
     raise ValueError(
