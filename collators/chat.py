@@ -24,6 +24,9 @@ LABELS_VERSION = 2  # 2: a row's tools, documents and chat_template_kwargs are r
 # JSON text) and ``chat_template_kwargs`` (a dict of template variables, spread into the call);
 # and ``documents`` (a list, or its JSON text), which trl leaves out and PackedSFTTrainer passes on.
 TEMPLATE_COLUMNS = ("tools", "documents", "chat_template_kwargs")
+# A per-row system prompt in a column of its own, which no chat template reads (trl leaves it
+# out): rendered as the conversation's first turn, a system message (by PackedSFTTrainer too).
+SYSTEM_COLUMNS = ("system", "system_prompt")
 
 # ``{% generation %}`` / ``{%- generation -%}``: the template marks the assistant output itself.
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -141,6 +144,38 @@ def template_inputs(row: Mapping[str, Any]) -> dict[str, Any]:
     return {**inputs, **(row.get("chat_template_kwargs") or {})}
 
 
+def with_system_prompt(messages, prompt, where: str) -> list:
+    """``messages`` opened by ``prompt`` (a row's system prompt column; None or "" for none) as a
+    system turn.
+
+    Raises:
+        TypeError naming ``where``: a prompt that is not a string.
+        ValueError naming ``where``: the messages open with a system turn already.
+    """
+    if prompt is None or prompt == "":
+        return list(messages)
+    if not isinstance(prompt, str):
+        raise TypeError(f"{where}'s system prompt must be a string, got {type(prompt).__name__}.")
+    if messages and isinstance(messages[0], Mapping) and messages[0].get("role") == "system":
+        raise ValueError(
+            f"{where} has a system prompt in its column and a system turn opening its messages: "
+            "keep one of them."
+        )
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def system_column(names, where: str = "dataset") -> str | None:
+    """The one of :data:`SYSTEM_COLUMNS` among ``names``, or None.
+
+    Raises:
+        ValueError naming ``where``: it has more than one.
+    """
+    found = [name for name in SYSTEM_COLUMNS if name in names]
+    if len(found) > 1:
+        raise ValueError(f"`{where}` has the system prompt columns {found}: keep one of them.")
+    return found[0] if found else None
+
+
 def tokenize_dataset(
     dataset,
     tokenizer,
@@ -156,8 +191,9 @@ def tokenize_dataset(
     """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``.
 
     A row's ``tools``, ``documents`` and ``chat_template_kwargs`` columns (:data:`TEMPLATE_COLUMNS`)
-    go to its chat template as trl's ``SFTTrainer`` passes them (:func:`template_inputs`): the
-    tokens and labels are those of ``PackedSFTTrainer`` for the same row.
+    go to its chat template as trl's ``SFTTrainer`` passes them (:func:`template_inputs`), and a
+    ``system`` or ``system_prompt`` column opens its messages as a system turn: the tokens and
+    labels are those of ``PackedSFTTrainer`` for the same row.
 
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
     ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
@@ -234,6 +270,7 @@ def tokenize_dataset(
             "or rename them."
         )
     rendered = [name for name in TEMPLATE_COLUMNS if name in names]
+    system = system_column(names)
     given = [name for name in rendered if name in kwargs]
     if given:
         raise ValueError(
@@ -244,6 +281,9 @@ def tokenize_dataset(
     def tokenize_batch(batch, indices):
         out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         for index, messages in enumerate(batch[messages_column]):
+            if system is not None:
+                where = f"`dataset` row {indices[index]}"
+                messages = with_system_prompt(messages, batch[system][index], where)
             row = template_inputs({name: batch[name][index] for name in rendered})
             clash = sorted(row.keys() & kwargs.keys())
             if clash:
@@ -279,7 +319,7 @@ def tokenize_dataset(
             tokenize_batch,
             batched=True,
             with_indices=True,
-            remove_columns=[messages_column, *rendered],
+            remove_columns=[messages_column, *rendered, *([system] if system else [])],
         )
         kept = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
         return kept.remove_columns("_kept")
@@ -304,7 +344,7 @@ def tokenize_dataset(
             tokenize_batch,
             batched=True,
             with_indices=True,
-            remove_columns=[messages_column, *rendered],
+            remove_columns=[messages_column, *rendered, *([system] if system else [])],
             num_proc=num_proc,
             desc="Tokenizing",
             new_fingerprint=key,

@@ -192,45 +192,57 @@ SYSTEM_PROMPT_TEMPLATE = (
 
 
 def with_documents_and_prompts():
-    """Conversations with a ``documents`` column and ``chat_template_kwargs`` giving each row its
-    system prompt, and a tokenizer whose template reads both."""
+    """Conversations with a ``documents`` column, ``chat_template_kwargs`` giving each row a
+    template variable (a system prompt the template reads) and a ``system`` column (a system
+    prompt no template reads), and a tokenizer whose template reads the first two."""
     tokenizer = copy.deepcopy(sft_tokenizer())
     tokenizer.chat_template = SYSTEM_PROMPT_TEMPLATE
-    data = collators.load_default_dataset().select(range(3)).remove_columns("category")
+    data = collators.load_default_dataset(system_prompt=False).select(range(3)).remove_columns("category")
     data = data.add_column("documents", [[{"title": f"Note {i}", "text": f"Fact number {i}."}] for i in range(3)])
+    data = data.add_column("system", ["Be brief.", None, ""])  # None and "": no system turn
     prompts = [{"system_prompt": f"Answer as guide {i}."} for i in range(3)]
     return tokenizer, data.add_column("chat_template_kwargs", prompts)
 
 
 def test_documents_and_template_variables_are_rendered_as_trl_passes_them(tmp_path):
     """A row's ``chat_template_kwargs`` are its template variables (trl spreads them into
-    apply_chat_template); its ``documents`` go to the template too (trl 1.16 leaves the column out:
-    PackedSFTTrainer passes it on through chat_template_kwargs, so its tokens are
-    tokenize_dataset's)."""
+    apply_chat_template); its ``documents`` go to the template too, and its ``system`` column opens
+    its messages (trl 1.16 leaves both columns out: PackedSFTTrainer passes them on, so its tokens
+    are tokenize_dataset's)."""
     from trl import SFTTrainer
 
     tokenizer, data = with_documents_and_prompts()
     tokenized = collators.tokenize_dataset(data, tokenizer)
     assert tokenized.column_names == ["input_ids", "labels"]
     for i, (row, messages) in enumerate(zip(tokenized, data["messages"])):
+        system = [{"role": "system", "content": data[i]["system"]}] if data[i]["system"] else []
         expected = collators.tokenize_conversation(
-            tokenizer, messages, documents=data[i]["documents"], system_prompt=f"Answer as guide {i}.")
+            tokenizer, system + messages, documents=data[i]["documents"], system_prompt=f"Answer as guide {i}.")
         assert row == expected
         text = tokenizer.decode(row["input_ids"])
         assert f"Answer as guide {i}." in text and f'"text": "Fact number {i}."' in text
+        assert ("<|im_start|>system\nBe brief" in text) == (i == 0)
     args = sft_args(tmp_path, assistant_only_loss=True, padding_free=True, max_length=None)
     trainer = PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=data,
                                processing_class=tokenizer)
     assert trainer.train_dataset["input_ids"] == tokenized["input_ids"]
     assert trainer.train_dataset["labels"] == tokenized["labels"]
-    without = data.remove_columns("documents")
+    without = data.remove_columns(["documents", "system"])
     trl = SFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=without, processing_class=tokenizer)
     ours = collators.tokenize_dataset(without, tokenizer)
     assert trl.train_dataset["input_ids"] == ours["input_ids"] and trl.train_dataset["labels"] == ours["labels"]
 
 
-def test_a_template_input_given_twice_is_refused():
+def test_a_template_input_given_twice_is_refused(tmp_path):
     tokenizer, data = with_documents_and_prompts()
+    opened = data.map(lambda row: {"messages": [{"role": "system", "content": "Hi."}, *row["messages"]]})
+    with pytest.raises(ValueError, match="`dataset` row 0 has a system prompt in its column and a system turn"):
+        collators.tokenize_dataset(opened, tokenizer)
+    with pytest.raises(ValueError, match="`train_dataset` row 0 has a system prompt in its column and a system turn"):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=sft_args(tmp_path, padding_free=True, max_length=None),
+                         train_dataset=opened, processing_class=tokenizer)
+    with pytest.raises(ValueError, match=r"system prompt columns \['system', 'system_prompt'\]: keep one"):
+        collators.tokenize_dataset(data.add_column("system_prompt", ["x"] * 3), tokenizer)
     with pytest.raises(ValueError, match="`documents` is given to tokenize_dataset and `dataset` has a 'documents' column"):
         collators.tokenize_dataset(data, tokenizer, documents=[])
     with pytest.raises(ValueError, match=r"`dataset`'s chat_template_kwargs give \['system_prompt'\], which are also given"):

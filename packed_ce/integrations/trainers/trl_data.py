@@ -42,22 +42,31 @@ def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     return dataset.map(tokenize, remove_columns=["messages"], **map_kwargs)
 
 
-def documents_as_template_kwargs(dataset, map_kwargs: dict):
-    """``dataset`` with its ``documents`` column moved into ``chat_template_kwargs``, where trl's
-    tokenisation passes it to the chat template (trl 1.16 passes a row's ``tools`` and
-    ``chat_template_kwargs``, and leaves ``documents`` out: its prompts would train without the
-    documents). Data without the column are returned as they are.
+def as_the_template_reads(dataset, map_kwargs: dict, name: str):
+    """``dataset`` with the columns trl 1.16 leaves out of the chat template moved where it reads
+    them: ``documents`` into ``chat_template_kwargs``, a system prompt column
+    (``collators.chat.SYSTEM_COLUMNS``) into the messages as their first turn; as
+    ``collators.tokenize_dataset`` renders them. Data without them are returned as they are.
     """
+    from collators.chat import system_column, with_system_prompt
+
     names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
-    if "documents" not in names:
+    system = system_column(names, name)
+    moved = [column for column in ("documents", system) if column in names]
+    if not moved:
         return dataset
 
-    def move(example):
-        kwargs = dict(example.get("chat_template_kwargs") or {})
-        kwargs["documents"] = example["documents"]
-        return {"chat_template_kwargs": kwargs}
+    def move(example, index):
+        out = {}
+        if "documents" in example:
+            kwargs = dict(example.get("chat_template_kwargs") or {})
+            out["chat_template_kwargs"] = {**kwargs, "documents": example["documents"]}
+        if system is not None:
+            where = f"`{name}` row {index}"
+            out["messages"] = with_system_prompt(example["messages"], example[system], where)
+        return out
 
-    return dataset.map(move, remove_columns=["documents"], **map_kwargs)
+    return dataset.map(move, with_indices=True, remove_columns=moved, **map_kwargs)
 
 
 def pack(dataset, max_length: int, strategy: str, name: str, trainer: str):

@@ -184,8 +184,8 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
         """TRL's preparation, with this trainer's packing and, where needed, its labels.
 
-        A conversational data set's ``documents`` column reaches the chat template
-        (:func:`trl_data.documents_as_template_kwargs`). Without generation markers,
+        A conversational data set's ``documents`` and system prompt columns reach the chat template
+        (:func:`trl_data.as_the_template_reads`). Without generation markers,
         ``assistant_only_loss`` data is tokenised by :func:`trl_data.assistant_labels` first; with
         ``packing=True`` the rows come from :func:`trl_data.pack`, which carries ``weight`` and
         ``source`` to every piece. Rows packed already (``seq_lengths``) are used as they are,
@@ -197,7 +197,7 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             )
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
         if is_conversational(next(iter(dataset))):
-            dataset = trl_data.documents_as_template_kwargs(dataset, map_kwargs)
+            dataset = trl_data.as_the_template_reads(dataset, map_kwargs, f"{name}_dataset")
             if self._own_assistant_labels:
                 dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
