@@ -76,11 +76,11 @@ def refuse_zero_embedding_tokens(model, kwargs: dict, context_parallel=None) -> 
     """
     family = model.config.get_text_config().model_type
     tokens = kwargs.get(INPUT_IDS)
+    if family not in ZERO_EMBEDDING_FAMILIES or not torch.is_grad_enabled():
+        return
     embedding = model.get_input_embeddings()
     pad = getattr(embedding, "padding_idx", None)
-    if family not in ZERO_EMBEDDING_FAMILIES or not torch.is_grad_enabled() or pad is None:
-        return
-    if not isinstance(tokens, torch.Tensor):
+    if pad is None or not isinstance(tokens, torch.Tensor):
         return
     weight = embedding.weight
     found = (tokens == pad).any()
