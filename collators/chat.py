@@ -17,7 +17,7 @@ from .checks import positive_int
 logger = logging.getLogger(__name__)
 
 # Part of every tokenize cache's key: bump it when the tokens or labels change for the same inputs.
-LABELS_VERSION = 2  # 2: a row's tools, documents and chat_template_kwargs are rendered
+LABELS_VERSION = 2  # 2: a row's template columns and system prompt column are rendered
 
 # The columns of a conversation that its chat template reads beside ``messages``, as trl 1.16's
 # SFTTrainer passes them to ``apply_chat_template``: ``tools`` (a list of tool definitions, or its
@@ -375,8 +375,8 @@ def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
     return tokenizer.get_chat_template(None, tools)
 
 
-# ShareGPT's keys of a message, and their names in the ``messages`` format
-SHAREGPT_KEYS = {"from": "role", "value": "content"}
+# ShareGPT's keys of a message, in place of the ``messages`` format's ``role`` and ``content``
+SHAREGPT_KEYS = ("from", "value")
 SHAREGPT_FIX = (
     "map them to 'role' and 'content' (and the roles 'human' and 'gpt' to 'user' and "
     "'assistant'), e.g. dataset.map(lambda row: {'messages': [{'role': {'human': 'user', "
