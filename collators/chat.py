@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,16 @@ from .images import image_parts, row_images
 logger = logging.getLogger(__name__)
 
 # Part of every tokenize cache's key: bump it when the tokens or labels change for the same inputs.
-LABELS_VERSION = 1
+LABELS_VERSION = 2  # 2: a row's template columns and system prompt column are rendered
+
+# The columns of a conversation that its chat template reads beside ``messages``, as trl 1.16's
+# SFTTrainer passes them to ``apply_chat_template``: ``tools`` (a list of tool definitions, or its
+# JSON text) and ``chat_template_kwargs`` (a dict of template variables, spread into the call);
+# and ``documents`` (a list, or its JSON text), which trl leaves out and PackedSFTTrainer passes on.
+TEMPLATE_COLUMNS = ("tools", "documents", "chat_template_kwargs")
+# A per-row system prompt in a column of its own, which no chat template reads (trl leaves it
+# out): rendered as the conversation's first turn, a system message (by PackedSFTTrainer too).
+SYSTEM_COLUMNS = ("system", "system_prompt")
 
 # ``{% generation %}`` / ``{%- generation -%}``: the template marks the assistant output itself.
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -170,6 +180,55 @@ def label_conversation(
     return text, input_ids, labels
 
 
+def template_inputs(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of ``apply_chat_template`` that a row's :data:`TEMPLATE_COLUMNS` give, as trl
+    passes them: ``tools`` and ``documents`` decoded from JSON text, ``chat_template_kwargs``
+    spread (a missing or None column gives nothing).
+
+    Example:
+        >>> template_inputs({"tools": '[{"name": "f"}]', "chat_template_kwargs": {"think": False}})
+        {'tools': [{'name': 'f'}], 'think': False}
+    """
+    inputs = {}
+    for name in ("tools", "documents"):
+        value = row.get(name)
+        if value is not None:
+            inputs[name] = json.loads(value) if isinstance(value, str) else value
+    return {**inputs, **(row.get("chat_template_kwargs") or {})}
+
+
+def with_system_prompt(messages, prompt, where: str) -> list:
+    """``messages`` opened by ``prompt`` (a row's system prompt column; None or "" for none) as a
+    system turn.
+
+    Raises:
+        TypeError naming ``where``: a prompt that is not a string.
+        ValueError naming ``where``: the messages open with a system turn already.
+    """
+    if prompt is None or prompt == "":
+        return list(messages)
+    if not isinstance(prompt, str):
+        raise TypeError(f"{where}'s system prompt must be a string, got {type(prompt).__name__}.")
+    if messages and isinstance(messages[0], Mapping) and messages[0].get("role") == "system":
+        raise ValueError(
+            f"{where} has a system prompt in its column and a system turn opening its messages: "
+            "keep one of them."
+        )
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def system_column(names, where: str = "dataset") -> str | None:
+    """The one of :data:`SYSTEM_COLUMNS` among ``names``, or None.
+
+    Raises:
+        ValueError naming ``where``: it has more than one.
+    """
+    found = [name for name in SYSTEM_COLUMNS if name in names]
+    if len(found) > 1:
+        raise ValueError(f"`{where}` has the system prompt columns {found}: keep one of them.")
+    return found[0] if found else None
+
+
 def tokenize_dataset(
     dataset,
     tokenizer,
@@ -184,6 +243,11 @@ def tokenize_dataset(
 ):
     """Tokenize every conversation of a ``datasets.Dataset`` with ``tokenize_conversation``, or
     with ``tokenize_vision_conversation`` given the model's processor (conversations with images).
+
+    A row's ``tools``, ``documents`` and ``chat_template_kwargs`` columns (:data:`TEMPLATE_COLUMNS`)
+    go to its chat template as trl's ``SFTTrainer`` passes them (:func:`template_inputs`), and a
+    ``system`` or ``system_prompt`` column opens its messages as a system turn: the tokens and
+    labels are those of ``PackedSFTTrainer`` for the same row.
 
     The tokens are written with ``datasets.Dataset.map`` to a cache beside the data set's files (or
     ``cache_file_name``), reused only if it was written for exactly these inputs: the data's
@@ -211,12 +275,12 @@ def tokenize_dataset(
         load_from_cache_file: reuse tokens written for the same inputs (default: unless caching is
             disabled in ``datasets``; not for a stream).
         **kwargs: passed to ``tokenize_conversation`` (``tools``, ``chat_template``,
-            ``ignore_index``, template variables).
+            ``ignore_index``, template variables), for every row.
 
     Returns:
         a data set of ``dataset``'s kind with ``input_ids`` and ``labels`` in place of
-        ``messages_column`` (and ``images`` in place of the image columns), other columns kept,
-        one row per kept conversation, in order.
+        ``messages_column`` and the template's columns (and ``images`` in place of the image
+        columns), other columns kept, one row per kept conversation, in order.
 
     Example:
         >>> from datasets import Dataset
@@ -248,11 +312,17 @@ def tokenize_dataset(
                 f"`{option}` is for a datasets.Dataset: a datasets.IterableDataset is tokenized as "
                 "it is read, with no processes or cache of its own; leave it out."
             )
-    if dataset.column_names is not None and messages_column not in dataset.column_names:
+    names = dataset.column_names
+    if names is None:  # an IterableDataset may not know its columns before its first row
+        first = next(iter(dataset), None)
+        names = list(first) if first is not None else [messages_column]
+    if messages_column not in names:
+        found = conversations_column(dataset, names)
+        hint = f": pass messages_column={found!r}" if found else ""
         raise ValueError(
-            f"`dataset` has no column {messages_column!r}; its columns are {dataset.column_names}."
+            f"`dataset` has no column {messages_column!r}; its columns are {names}{hint}."
         )
-    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in (dataset.column_names or [])]
+    taken = [name for name in (INPUT_IDS, LABELS, "_kept") if name in names]
     if taken:
         raise ValueError(
             f"`dataset` already has the column(s) {taken}, which tokenize_dataset writes: remove "
@@ -260,36 +330,59 @@ def tokenize_dataset(
         )
     from .vision import is_processor, tokenize_images, vision_rows
 
+    rendered = [name for name in TEMPLATE_COLUMNS if name in names]
+    system = system_column(names)
+    given = [name for name in rendered if name in kwargs]
+    if given:
+        raise ValueError(
+            f"`{given[0]}` is given to tokenize_dataset and `dataset` has a {given[0]!r} column, "
+            "which gives each row's: keep one of them."
+        )
     vision = is_processor(tokenizer)
-    removed, features = [messages_column], None
+    removed, features = [messages_column, *rendered, *([system] if system else [])], None
     if vision:
-        dataset, removed, features = vision_rows(dataset, messages_column)
+        dataset, replaced, features = vision_rows(dataset, messages_column)
+        removed += [name for name in replaced if name not in removed]
 
-    def tokenize_batch(batch, indices=None):
+    def tokenize_batch(batch, indices):
         out = {INPUT_IDS: [], LABELS: [], "_kept": []}
         if vision:
             out[IMAGES] = []
         for index, messages in enumerate(batch[messages_column]):
+            where = f"`dataset` row {indices[index]}"
+            if system is not None:
+                messages = with_system_prompt(messages, batch[system][index], where)
+            row = template_inputs({name: batch[name][index] for name in rendered})
+            clash = sorted(row.keys() & kwargs.keys())
+            if clash:
+                raise ValueError(
+                    f"`dataset`'s chat_template_kwargs give {clash}, which are also given to "
+                    "tokenize_dataset: keep one of them."
+                )
             if vision:
-                row = {name: batch[name][index] for name in removed}
-                name = f"dataset[{indices[index]}]" if indices is not None else "a streamed row"
+                images = row_images({name: batch[name][index] for name in replaced})
                 example = tokenize_images(
                     tokenizer,
                     messages,
-                    row_images(row),
-                    name,
+                    images,
+                    f"dataset[{indices[index]}]",
                     max_length=max_length,
                     skip_no_assistant=skip_no_assistant,
                     **kwargs,
+                    **row,
                 )
             else:
-                example = tokenize_conversation(
-                    tokenizer,
-                    messages,
-                    max_length=max_length,
-                    skip_no_assistant=skip_no_assistant,
-                    **kwargs,
-                )
+                try:
+                    example = tokenize_conversation(
+                        tokenizer,
+                        messages,
+                        max_length=max_length,
+                        skip_no_assistant=skip_no_assistant,
+                        **kwargs,
+                        **row,
+                    )
+                except ValueError as error:  # which conversation
+                    raise ValueError(f"{where}: {error}") from None
             out["_kept"].append(example is not None)
             out[INPUT_IDS].append(example[INPUT_IDS] if example else [])
             out[LABELS].append(example[LABELS] if example else [])
@@ -305,7 +398,9 @@ def tokenize_dataset(
         return out
 
     if stream:
-        tokenized = dataset.map(tokenize_batch, batched=True, remove_columns=removed)
+        tokenized = dataset.map(
+            tokenize_batch, batched=True, with_indices=True, remove_columns=removed
+        )
         kept = tokenized.filter(lambda flags: flags, input_columns="_kept", batched=True)
         return kept.remove_columns("_kept")
     # Every input the tokens depend on; the code of tokenize_conversation through LABELS_VERSION.
@@ -328,7 +423,7 @@ def tokenize_dataset(
         tokenized = dataset.map(
             tokenize_batch,
             batched=True,
-            with_indices=vision,
+            with_indices=True,
             remove_columns=removed,
             features=features,
             num_proc=num_proc,
@@ -361,6 +456,48 @@ def _resolve_template(tokenizer, chat_template: str | None, tools) -> str:
     return tokenizer.get_chat_template(None, tools)
 
 
+# ShareGPT's keys of a message, in place of the ``messages`` format's ``role`` and ``content``
+SHAREGPT_KEYS = ("from", "value")
+SHAREGPT_FIX = (
+    "map them to 'role' and 'content' (and the roles 'human' and 'gpt' to 'user' and "
+    "'assistant'), e.g. dataset.map(lambda row: {'messages': [{'role': {'human': 'user', "
+    "'gpt': 'assistant'}.get(m['from'], m['from']), 'content': m['value']} for m in "
+    "row['messages']]})"
+)
+
+
+def is_conversation(value) -> bool:
+    """Whether ``value`` looks like a conversation: a non-empty list of messages with a ``role``
+    (the ``messages`` format) or ``from`` (ShareGPT's).
+    """
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and len(value) > 0
+        and isinstance(value[0], Mapping)
+        and any(value[0].get(key) is not None for key in ("role", "from"))
+    )
+
+
+def conversations_column(dataset, names) -> str | None:
+    """The first of ``names`` whose value in ``dataset``'s first row is a conversation, or None."""
+    first = next(iter(dataset), None) or {}
+    return next((name for name in names if is_conversation(first.get(name))), None)
+
+
+def sharegpt_keys(message) -> str | None:
+    """Where ``message`` has ShareGPT's ``from`` / ``value`` in place of ``role`` / ``content``:
+    those keys and the fix; else None.
+    """
+    # a data set's rows of mixed formats hold every key, None where a row has none
+    if not isinstance(message, Mapping) or message.get("role") is not None:
+        return None
+    found = [key for key in SHAREGPT_KEYS if message.get(key) is not None]
+    if not found:
+        return None
+    return f"has ShareGPT's key(s) {found}, not 'role' and 'content': {SHAREGPT_FIX}"
+
+
 def _check_messages(messages) -> None:
     if (
         isinstance(messages, (str, bytes))
@@ -371,6 +508,9 @@ def _check_messages(messages) -> None:
             "`messages` must be a non-empty list of {'role': ..., 'content': ...} dicts."
         )
     for index, message in enumerate(messages):
+        sharegpt = sharegpt_keys(message)
+        if sharegpt:
+            raise ValueError(f"`messages[{index}]` {sharegpt}.")
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise ValueError(f"`messages[{index}]` has no 'role': {message!r}")
         if message.get("content") is None and not message.get("tool_calls"):

@@ -1,18 +1,36 @@
 """Chat templates in four common formats, written for this package.
 
-``CHATML_TEMPLATE`` (the default tokenizer's) marks every assistant turn with ``{% generation %}``.
+``CHATML_TEMPLATE`` (the default tokenizer's) marks every assistant turn with ``{% generation %}``
+and renders ``tools`` and ``documents`` (one JSON line each, in system turns before the messages)
+and an assistant's ``reasoning_content`` (``<think>`` ... ``</think>``, trained with the answer).
 The layouts of Llama 3 (``LLAMA3_TEMPLATE``), Mistral (``MISTRAL_TEMPLATE``) and Gemma
 (``GEMMA_TEMPLATE``, no tool turns) carry no markers and exercise the template-agnostic path of
 ``collators.tokenize_conversation``. All render OpenAI-style ``tool_calls`` with ``tojson``.
 """
 
 CHATML_TEMPLATE = (
+    # apply_chat_template's tools and documents (a data set's columns), one JSON line each
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n<tools>\\n' }}"
+    "{%- for tool in tools %}{{- tool | tojson + '\\n' }}{%- endfor %}"
+    "{{- '</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- if documents %}"
+    "{{- '<|im_start|>system\\n<documents>\\n' }}"
+    "{%- for document in documents %}{{- document | tojson + '\\n' }}{%- endfor %}"
+    "{{- '</documents><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['role'] == 'assistant' %}"
     "{%- generation %}"
-    "{{- message['content'] if message['content'] is defined else '' }}"
-    "{%- if message['tool_calls'] is defined %}"
+    # a reasoning model's thinking, trained with the answer
+    "{%- if message['reasoning_content'] %}"
+    "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    # a tool call's content may be missing (None in a data set's rows)
+    "{{- message['content'] if message['content'] else '' }}"
+    "{%- if message['tool_calls'] %}"
     "{%- for call in message['tool_calls'] %}"
     "{{- '<tool_call>\\n' + call['function'] | tojson + '\\n</tool_call>' }}"
     "{%- endfor %}"

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
@@ -77,20 +79,27 @@ def build(script: Path) -> nbformat.NotebookNode:
 
 
 def execute(notebook: nbformat.NotebookNode, *, timeout: int = 300) -> None:
-    """Runs every cell with the current Python in the repository root, outputs into ``notebook``.
+    """Runs every cell with the current Python in the repository root, outputs into ``notebook``;
+    the kernel's start and each cell fail after ``timeout`` seconds (a hang, not a slow machine).
 
     Raises:
         nbclient.exceptions.CellExecutionError: with the failing cell's traceback.
     """
-    client = NotebookClient(
-        notebook,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(REPO)}},  # so that collators and packed_ce import
-        record_timing=False,  # timestamps in every cell's metadata would change on every run
-        coalesce_streams=True,  # one output per stream, however the kernel flushed it
-    )
-    client.execute()
+    with tempfile.TemporaryDirectory(prefix="kernel-") as sockets:
+        # the kernel's channels on Unix sockets: TCP ports found free before the kernel started
+        # and bound them could be taken meanwhile on a loaded machine
+        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets, "ipc")))
+        client = NotebookClient(
+            notebook,
+            km=kernel,
+            timeout=timeout,
+            startup_timeout=timeout,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(REPO)}},  # so that collators and packed_ce import
+            record_timing=False,  # timestamps in every cell's metadata would change on every run
+            coalesce_streams=True,  # one output per stream, however the kernel flushed it
+        )
+        client.execute()
     # the kernel writes its Python version here: the file would change with the machine
     notebook.metadata.language_info = {"name": "python"}
 

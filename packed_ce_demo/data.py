@@ -171,6 +171,7 @@ def load_conversations(dataset: str | None):
         ValueError naming ``--dataset``: unreadable, empty, or neither messages nor tokens.
     """
     import collators
+    from collators.chat import conversations_column
     from collators.data import read_dataset
     from packed_ce.columns import INPUT_IDS, LABELS
 
@@ -186,9 +187,11 @@ def load_conversations(dataset: str | None):
                 "conversations or their tokens"
             )
         if not tokens and "messages" not in columns:
+            found = conversations_column(data, columns)
+            hint = found and f": its column {found!r} holds conversations, name it 'messages'"
             raise ValueError(
                 f"`name_or_path` {dataset!r} has neither a 'messages' column nor 'input_ids' and "
-                f"'labels' (tokenized conversations); its columns are {columns}"
+                f"'labels' (tokenized conversations); its columns are {columns}{hint or ''}"
             )
         if len(tokens) == 1:
             missing = LABELS if tokens == [INPUT_IDS] else INPUT_IDS
@@ -258,13 +261,18 @@ def pack_to_disk(
         the output path, as a dict.
 
     Raises:
-        ValueError naming ``--dataset`` or ``--tokenizer`` (a tokenizer given for tokenized data).
+        ValueError naming ``--dataset`` or ``--tokenizer`` (a tokenizer given for tokenized data):
+            the trainers' refusals of its weights and sources (every weight 0 included), nothing
+            to train.
     """
     from collators.arrow_rows import progress_unit
     from collators.images import IMAGE_COLUMN
     from packed_ce.columns import IMAGES
+    from packed_ce.integrations.trainers.data_checks import check_columns
 
     conversations, tokenized = load_conversations(dataset)
+    # the trainers' checks of the weights (every one 0, a range the loss cannot carry) and sources
+    check_columns(conversations, "--dataset")
     if tokenized and tokenizer is not None:
         raise ValueError(
             f"`--tokenizer` {tokenizer!r} is not used: `--dataset` is already tokenized "

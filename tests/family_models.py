@@ -113,6 +113,8 @@ HYBRIDS = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"]),
+    # no layer sharing another's cache (its default shares the last 15 of 35), per-layer sizes
+    "gemma3n_text": dict(num_kv_shared_layers=0, intermediate_size=[128, 128]),
     "bailing_hybrid": dict(n_group=1, topk_group=1),
     "qwen4_exp_text": dict(indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),

@@ -8,10 +8,13 @@ with ``is_packed=True`` must reproduce.
 
 from __future__ import annotations
 
+import datetime
 import functools
-import socket
+import os
+import tempfile
 
 import torch
+import torch.distributed as dist
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from packed_ce_demo import split_rows  # noqa: F401  (re-exported for the tests)
@@ -161,11 +164,32 @@ def assert_loss_close(
     return error
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on now, for a process group's rendezvous."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# How long a spawned rank waits for the others (at its rendezvous and in each collective) before
+# it fails rather than hang: far past the slowest legitimate wait on a loaded machine (eight ranks
+# importing torch and transformers on two shared cores), short of blocking the suite.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def rendezvous(directory) -> str:
+    """Where spawned ranks meet: a ``file://`` store in a new file under ``directory``.
+
+    No TCP port: a port found free in the parent (bound, then closed) stayed free only until rank
+    0 listened on it, the seconds the spawned ranks spend importing; on a loaded machine another
+    connection could take it meanwhile, and rank 0 failed with EADDRINUSE.
+    """
+    handle, path = tempfile.mkstemp(prefix="rendezvous-", dir=directory)
+    os.close(handle)  # an empty file: the store's own
+    return f"file://{path}"
+
+
+def start_rank(rank: int, world: int, store: str, backend: str = "gloo", timeout=COLLECTIVE_TIMEOUT):
+    """A spawned rank's process group, met at ``store`` (:func:`rendezvous`), and the environment
+    accelerate reads to see the processes, all on this machine (it takes the group as it is); one
+    thread (ranks on a small machine otherwise fight over its cores)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=world, timeout=timeout)
 
 
 # --- trl's SFTTrainer, one optimiser step over a small data set --------------------------------
@@ -199,6 +223,20 @@ def sft_tokenizer():
     import collators
 
     return collators.load_default_tokenizer()
+
+
+def without_generation_markers(tokenizer):
+    """A copy of ``tokenizer`` whose template has its ``{% generation %}`` markers taken out (trl
+    refuses such a template with assistant_only_loss; PackedSFTTrainer labels it with
+    collators.tokenize_conversation)."""
+    import copy
+    import re
+
+    marker = r"\{%-?\s*(end)?generation\s*-?%\}"
+    tokenizer = copy.deepcopy(tokenizer)
+    assert re.search(marker, tokenizer.chat_template)
+    tokenizer.chat_template = re.sub(marker, "", tokenizer.chat_template)
+    return tokenizer
 
 
 def sft_args(output_dir, **overrides):
@@ -257,3 +295,93 @@ def per_conversation_sgd_step(
             if p.grad is not None:
                 p -= lr * p.grad
     return loss.detach()
+
+
+# --- tool-calling and reasoning conversations ----------------------------------------------------
+
+
+def _tool(name: str, description: str, **parameters) -> dict:
+    properties = {key: {"type": kind} for key, kind in parameters.items()}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {"type": "object", "properties": properties, "required": list(parameters)},
+        },
+    }
+
+
+def _call(name: str, **arguments) -> dict:
+    """An OpenAI-style tool call, its arguments as JSON text (as the API gives them)."""
+    import json
+
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+WEATHER = _tool("get_weather", "The weather in a city now.", city="string")
+CALCULATOR = _tool("calculate", "Evaluates an arithmetic expression.", expression="string")
+SEARCH = _tool("search", "Searches the web.", query="string")
+
+# Tool definitions, assistant tool calls (one, two in parallel, none), tool results and thinking
+# content, with the tools each conversation is given.
+TOOL_CONVERSATIONS = [
+    (
+        [WEATHER],
+        [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "reasoning_content": "The user wants the weather: call the tool.",
+             "tool_calls": [_call("get_weather", city="Paris")]},
+            {"role": "tool", "content": "sunny, 21C"},
+            {"role": "assistant", "reasoning_content": "Report it.",
+             "content": "It is sunny and 21C in Paris."},
+        ],
+    ),
+    (
+        [CALCULATOR, SEARCH],
+        [
+            {"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": "What is 6 times 7, and who wrote Dune?"},
+            {"role": "assistant", "reasoning_content": "Two questions: one tool each.",
+             "tool_calls": [_call("calculate", expression="6*7"), _call("search", query="Dune author")]},
+            {"role": "tool", "content": "42"},
+            {"role": "tool", "content": "Frank Herbert"},
+            {"role": "assistant", "content": "6 times 7 is 42, and Frank Herbert wrote Dune."},
+            {"role": "user", "content": "Thanks!"},
+            {"role": "assistant", "content": "You are welcome."},
+        ],
+    ),
+    (
+        [WEATHER, CALCULATOR],
+        [
+            {"role": "user", "content": "Hi, how are you?"},
+            {"role": "assistant", "reasoning_content": "A greeting: no tool needed.",
+             "content": "Very well, thank you. How can I help?"},
+        ],
+    ),
+    (
+        [SEARCH],
+        [
+            {"role": "user", "content": "Find the tallest mountain."},
+            {"role": "assistant", "tool_calls": [_call("search", query="tallest mountain")]},
+            {"role": "tool", "content": "Mount Everest, 8849 m"},
+            {"role": "assistant", "reasoning_content": "The search answered it.",
+             "content": "Mount Everest, at 8849 m."},
+        ],
+    ),
+]
+
+
+def tool_dataset(tools_as_json: bool = True):
+    """:data:`TOOL_CONVERSATIONS` as a ``datasets.Dataset`` of ``messages`` and ``tools`` (each
+    row's tool definitions: JSON text, as trl's documentation writes them, or a list)."""
+    import json
+
+    from datasets import Dataset
+
+    return Dataset.from_dict(
+        {
+            "messages": [messages for _, messages in TOOL_CONVERSATIONS],
+            "tools": [json.dumps(tools) if tools_as_json else tools for tools, _ in TOOL_CONVERSATIONS],
+        }
+    )

@@ -282,5 +282,28 @@ def test_tokenize_dataset_counts_skipped_conversations(caplog):
                             **tokenize_conversation(tokenizer, WITH_TOOLS[:3])}
     with pytest.raises(ValueError, match=r"already has the column\(s\) \['labels'\]"):
         tokenize_dataset(dataset.add_column("labels", [[1]] * 4), tokenizer)
-    with pytest.raises(ValueError, match="no assistant turn"):
+    with pytest.raises(ValueError, match="`dataset` row 1: `messages` has no assistant turn"):
         tokenize_dataset(dataset, tokenizer, skip_no_assistant=False)
+
+
+def test_conversations_in_another_column_or_format_are_named_with_the_fix():
+    """A `conversation` column was "no column 'messages'" alone; ShareGPT's `from` / `value` keys
+    were "has no 'role'"."""
+    from datasets import Dataset
+
+    tokenizer = build_tokenizer(FORMATS["chatml"])
+    renamed = Dataset.from_dict({"id": [1], "conversation": [MULTI_TURN]})
+    with pytest.raises(ValueError, match=r"no column 'messages'; its columns are \['id', 'conversation'\]: pass "
+                                         r"messages_column='conversation'"):
+        tokenize_dataset(renamed, tokenizer)
+    assert tokenize_dataset(renamed, tokenizer, messages_column="conversation")["input_ids"] == [
+        tokenize_conversation(tokenizer, MULTI_TURN)["input_ids"]]
+    sharegpt = [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                for m in MULTI_TURN]
+    with pytest.raises(ValueError, match=r"`dataset` row 0: `messages\[0\]` has ShareGPT's key\(s\) \['from', 'value'\]"):
+        tokenize_dataset(Dataset.from_dict({"messages": [sharegpt]}), tokenizer)
+    # the fix the message names
+    fixed = Dataset.from_dict({"messages": [sharegpt]}).map(
+        lambda row: {'messages': [{'role': {'human': 'user', 'gpt': 'assistant'}.get(m['from'], m['from']),
+                                   'content': m['value']} for m in row['messages']]})
+    assert tokenize_dataset(fixed, tokenizer)["input_ids"] == [tokenize_conversation(tokenizer, MULTI_TURN)["input_ids"]]

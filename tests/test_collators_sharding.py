@@ -116,13 +116,12 @@ def test_without_seq_targets_each_sequence_counts_its_own():
         assert torch.equal(with_targets[key], without[key]), key
 
 
-def _gloo_rank(rank, port, world_size, out_dir):
+def _gloo_rank(rank, store, world_size, out_dir):
     """One context-parallel rank: its shard's weighted sum and table gradient, all-reduced over the ranks."""
     import torch.distributed as dist
+    from integration_utils import start_rank
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes on a small CI machine: one thread each
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    start_rank(rank, world_size, store)
     try:
         table = lookup_table(VOCAB)
         shard = shard_batch(PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES), rank, world_size)
@@ -139,10 +138,10 @@ def _gloo_rank(rank, port, world_size, out_dir):
 def test_two_gloo_processes_add_up_to_the_whole_batch(tmp_path):
     """The same with two processes: all-reduced loss and gradients equal one process on the whole batch."""
     import torch.multiprocessing as mp
-    from integration_utils import free_port
+    from integration_utils import rendezvous
 
     world_size = 2
-    mp.spawn(_gloo_rank, args=(free_port(), world_size, str(tmp_path)), nprocs=world_size, join=True)
+    mp.spawn(_gloo_rank, args=(rendezvous(tmp_path), world_size, str(tmp_path)), nprocs=world_size, join=True)
     table = lookup_table(VOCAB)
     whole, _ = packed_weighted_sum(table, PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES))
     whole.backward()

@@ -17,7 +17,6 @@ Run the same workers on two GPUs (NCCL, flex attention, float32 and bfloat16) wi
 
 from __future__ import annotations
 
-import datetime
 import os
 from unittest import mock
 
@@ -30,8 +29,9 @@ from collators import PackedCollator, shard_batch
 from integration_utils import (
     assert_gradients_close,
     assert_loss_close,
-    free_port,
     gradients,
+    rendezvous,
+    start_rank,
     synthetic_conversations,
     tiny_model,
 )
@@ -50,8 +50,6 @@ WORLD = 2
 LENGTHS = [31, 7, 2, 40, 5, 4]
 WEIGHTS = [1.0, 2.0, 0.5, 3.0, 1.5, 1.5]  # the two pieces of one conversation share its weight
 ROW = 96  # a multiple of 2 * WORLD; the collator pads 89 tokens up to it
-# A misuse that hung a collective would fail the test after this long, not block the suite.
-TIMEOUT = datetime.timedelta(seconds=120)
 
 # The set-ups under test: (model family, apply_packed_loss keywords, gradient checkpointing, LoRA)
 SETUPS = {
@@ -118,14 +116,12 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def init_group(rank: int, port: int, backend: str = "gloo", world: int = WORLD) -> torch.device:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def init_group(rank: int, store: str, backend: str = "gloo", world: int = WORLD) -> torch.device:
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT)
+    start_rank(rank, world, store, backend)
     return device
 
 
@@ -135,10 +131,10 @@ def save_share(model, loss, path: str) -> None:
 
 
 def worker(
-    rank: int, port: int, backend: str, out_dir: str, setups: list, dtype_name: str, scale: int = 1,
+    rank: int, store: str, backend: str, out_dir: str, setups: list, dtype_name: str, scale: int = 1,
     chunk_tokens: int | None = None,
 ) -> None:
-    device = init_group(rank, port, backend)
+    device = init_group(rank, store, backend)
     dtype = getattr(torch, dtype_name)
     if chunk_tokens is not None:  # rows cut as finely as long ones are (m > 2 chunks per rank)
         import collators.sharding
@@ -168,7 +164,7 @@ def run_ranks(
     tmp_path, backend: str, setups: list, dtype_name: str = "float32", scale: int = 1, chunk_tokens=None
 ) -> dict:
     mp.spawn(
-        worker, args=(free_port(), backend, str(tmp_path), setups, dtype_name, scale, chunk_tokens),
+        worker, args=(rendezvous(tmp_path), backend, str(tmp_path), setups, dtype_name, scale, chunk_tokens),
         nprocs=WORLD, join=True,
     )
     results = {}
@@ -254,10 +250,10 @@ def test_shares_add_up_with_many_chunks_per_rank(tmp_path):
         assert_gradients_close(results[setup]["grads"], expected_grads, rtol=1e-5)
 
 
-def _groups_worker(rank: int, port: int, out_dir: str, world: int, cp_sizes: list, setups: list) -> None:
+def _groups_worker(rank: int, store: str, out_dir: str, world: int, cp_sizes: list, setups: list) -> None:
     """``world`` ranks, for each of ``cp_sizes`` in groups of that many consecutive ranks; group
     ``g`` shares row ``g`` (data parallelism across the groups)."""
-    init_group(rank, port, world=world)
+    init_group(rank, store, world=world)
     try:
         for cp_size in cp_sizes:
             groups = [dist.new_group(list(range(g, g + cp_size))) for g in range(0, world, cp_size)]
@@ -283,7 +279,7 @@ def test_groups_of_four_and_eight_and_data_parallel_groups(tmp_path, world, cp_s
     process on every group's row with the step's normaliser, loss and gradients (1e-5), with and
     without a sliding window."""
     setups = ["llama-logits", "mistral"]
-    mp.spawn(_groups_worker, args=(free_port(), str(tmp_path), world, cp_sizes, setups), nprocs=world, join=True)
+    mp.spawn(_groups_worker, args=(rendezvous(tmp_path), str(tmp_path), world, cp_sizes, setups), nprocs=world, join=True)
     for cp_size in cp_sizes:
         rows = [packed_batch(seed=7 + g) for g in range(world // cp_size)]
         count = count_num_items(rows)
@@ -309,13 +305,13 @@ def test_batch_crosses_chunks_and_ranks():
 
 
 def test_one_rank_group_is_the_plain_model(tmp_path):
-    mp.spawn(_one_rank_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_one_rank_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=1, join=True)
     loss = torch.load(tmp_path / "one.pt")
     assert_loss_close(loss, one_process("llama-logits")[0])
 
 
-def _one_rank_worker(rank: int, port: int, out_dir: str) -> None:
-    init_group(0, port, world=1)
+def _one_rank_worker(rank: int, store: str, out_dir: str) -> None:
+    init_group(0, store, world=1)
     try:
         model = build_model("llama-logits")
         attention = model.config._attn_implementation
@@ -393,8 +389,8 @@ MISUSE_MESSAGES = {
 }
 
 
-def _misuse_worker(rank: int, port: int, out_dir: str, backend: str) -> None:
-    device = init_group(rank, port, backend)
+def _misuse_worker(rank: int, store: str, out_dir: str, backend: str) -> None:
+    device = init_group(rank, store, backend)
     try:
         batch = to_device(packed_batch(), device)
         shard = shard_batch(batch, rank, WORLD)
@@ -430,7 +426,7 @@ def test_every_misuse_is_the_same_error_on_every_rank(tmp_path, backend):
     the group still computes, and a model with attention dropout evaluates."""
     import re
 
-    mp.spawn(_misuse_worker, args=(free_port(), str(tmp_path), backend), nprocs=WORLD, join=True)
+    mp.spawn(_misuse_worker, args=(rendezvous(tmp_path), str(tmp_path), backend), nprocs=WORLD, join=True)
     seen = [torch.load(tmp_path / f"misuse-rank{rank}.pt") for rank in range(WORLD)]
     for name, pattern in MISUSE_MESSAGES.items():
         for rank in range(WORLD):
@@ -440,9 +436,9 @@ def test_every_misuse_is_the_same_error_on_every_rank(tmp_path, backend):
         assert_loss_close(torch.tensor(sum(rank_losses)), eval_loss)
 
 
-def _checkpointing_worker(rank: int, port: int, out_dir: str) -> None:
+def _checkpointing_worker(rank: int, store: str, out_dir: str) -> None:
     """Two forwards (two rows) before one backward, under gradient checkpointing."""
-    init_group(rank, port)
+    init_group(rank, store)
     try:
         model = enable_context_parallel(build_model("llama-fused-checkpointing"))
         rows = [packed_batch(), packed_batch(seed=8)]
@@ -459,7 +455,7 @@ def _checkpointing_worker(rank: int, port: int, out_dir: str) -> None:
 def test_checkpointing_with_two_forwards_before_the_backward(tmp_path):
     """Gradient checkpointing recomputes each forward's layers with that forward's row: two rows
     through the model, then one backward, equal one process (1e-5)."""
-    mp.spawn(_checkpointing_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_checkpointing_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"two-rank{rank}.pt") for rank in range(WORLD)]
     model = build_model("llama-fused-checkpointing")
     rows = [packed_batch(), packed_batch(seed=8)]
@@ -553,12 +549,12 @@ def test_refuses_what_it_cannot_keep_exact(one_rank_group, overrides, message):
         enable_context_parallel(model)
 
 
-def _own_attention_worker(rank: int, port: int, out_dir: str) -> None:
+def _own_attention_worker(rank: int, store: str, out_dir: str) -> None:
     """A Llama whose first layer computes its attention by its own function, past transformers'
     interface (as a family that never looks the implementation up does)."""
     from transformers.models.llama import modeling_llama
 
-    init_group(rank, port)
+    init_group(rank, store)
     try:
         model = apply_packed_loss(tiny_model("llama", VOCAB))
         attention = model.model.layers[0].self_attn
@@ -586,7 +582,7 @@ def _own_attention_worker(rank: int, port: int, out_dir: str) -> None:
 def test_attention_past_the_interface_is_refused_on_every_rank(tmp_path):
     """Judged by what the first call does, not by a class flag: an attention module that never
     reached the context-parallel attention is named, the same error on every rank."""
-    mp.spawn(_own_attention_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_own_attention_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     outcomes = [torch.load(tmp_path / f"own-{rank}.pt") for rank in range(WORLD)]
     assert outcomes[0] == outcomes[1]
     assert "attention ['LlamaAttention'] does not go through transformers' attention interface" in outcomes[0]
@@ -628,15 +624,10 @@ def allow_cpu_processes(parallelism_config_class) -> None:
 
 
 def trainer_worker(
-    rank: int, port: int, out_dir: str, trainer_name: str, backend: str = "gloo", world: int = WORLD
+    rank: int, store: str, out_dir: str, trainer_name: str, backend: str = "gloo", world: int = WORLD
 ) -> None:
     """One optimiser step over every conversation, each row shared by two ranks; with ``world``
     4, two data-parallel groups of two ranks each train half of the conversations."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
     from accelerate import ParallelismConfig
     from datasets import Dataset
 
@@ -645,7 +636,7 @@ def trainer_worker(
         torch.cuda.set_device(rank)
     else:
         allow_cpu_processes(ParallelismConfig)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    start_rank(rank, world, store, backend)
     try:
         data = Dataset.from_list(train_conversations())
         model = tiny_model("llama", VOCAB)
@@ -744,7 +735,7 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, 
     if trainer_name == "PackedSFTTrainer":
         pytest.importorskip("trl")
     mp.spawn(
-        trainer_worker, args=(free_port(), str(tmp_path), trainer_name, backend, world),
+        trainer_worker, args=(rendezvous(tmp_path), str(tmp_path), trainer_name, backend, world),
         nprocs=world, join=True,
     )
     initial = {name: p.detach() for name, p in tiny_model("llama", VOCAB).named_parameters()}
@@ -792,15 +783,13 @@ def test_two_gpus_float32_and_bfloat16(tmp_path, scale):
         assert cp_grad <= 2 * one_grad + 1e-3
 
 
-def fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
+def fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
     """The row shared by two ranks whose parameters FSDP2 shards as accelerate groups them (each
     decoder layer; the final norm with the head; the root), fused head; the loss times 2 cancels
     FSDP's gradient averaging."""
     from torch.distributed.fsdp import fully_shard
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    start_rank(rank, WORLD, store)
     try:
         model = build_model("llama-fused-checkpointing")
         enable_context_parallel(model)
@@ -823,7 +812,7 @@ def fsdp2_worker(rank: int, port: int, out_dir: str) -> None:
 def test_fsdp2_shards_with_context_parallelism(tmp_path):
     """FSDP2 (torch's fully_shard on gloo) and context parallelism together: the loss and every
     gradient of one process, within the float32 tolerances."""
-    mp.spawn(fsdp2_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(fsdp2_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     result = torch.load(tmp_path / "fsdp2.pt")
     expected_loss, expected_grads = one_process("llama-fused-checkpointing")
     assert_loss_close(result["loss"], expected_loss)

@@ -30,6 +30,7 @@ from integration_utils import (  # noqa: E402
     sgd,
     snapshot,
     synthetic_conversations,
+    without_generation_markers,
 )
 
 VOCAB = 3072  # the default tokenizer's size
@@ -158,10 +159,7 @@ def with_a_user_only_conversation(row: int = 3):
 def test_no_assistant_turn_is_named_before_tokenising_or_skipped(markers, tmp_path, monkeypatch, caplog):
     """trl's own error blames the `{% generation %}` markers, and the unmarked path's suggests an
     option the trainer lacked; neither named the row."""
-    tokenizer = copy.deepcopy(sft_tokenizer())
-    if not markers:
-        tokenizer.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace(
-            "{% endgeneration %}", "")
+    tokenizer = sft_tokenizer() if markers else without_generation_markers(sft_tokenizer())
     data = with_a_user_only_conversation()
     args = dict(assistant_only_loss=True, padding_free=True, max_length=None, per_device_train_batch_size=6)
     prepared = []
@@ -223,3 +221,96 @@ def test_no_target_left_after_trls_truncation_is_named_or_skipped(tmp_path, capl
                                    processing_class=sft_tokenizer(), skip_no_assistant=True)
     assert "skipped 1 of 4 conversations without a target after truncation" in caplog.text
     assert trainer.train_dataset.num_rows == 3 and "packed_ce_row" not in trainer.train_dataset.column_names
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["refused", "skip_no_assistant"])
+@pytest.mark.parametrize(
+    "layout, match",
+    [(dict(packing=True, max_length=8), r"no conversation of `train_dataset` has a target left after truncation "
+                                         r"to max_length=8 \(4 of 4 truncated, 4 left without a target\)"),
+     (dict(max_length=8), r"no conversation of `train_dataset` has a target left after truncation to "
+                          r"max_length=8 \(4 of 4 without one\)")],
+    ids=["packing", "padded"],
+)
+def test_nothing_left_to_train_after_truncation_is_refused(layout, match, skip, tmp_path):
+    """A max_length shorter than every prompt: with packing the rows held no target and the trainer
+    trained to the end with loss 0 and unchanged parameters (only a statistics line said so);
+    padded, trl dropped every row and torch failed on an empty sampler. Refused, naming max_length
+    and the count, as `packed-ce pack` refuses the same data, with or without skipping."""
+    data = collators.load_default_dataset().select(range(4))
+    args = sft_args(tmp_path, assistant_only_loss=True, **layout)
+    with pytest.raises(ValueError, match=match):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=data,
+                         processing_class=sft_tokenizer(), skip_no_assistant=skip)
+
+
+def test_packed_rows_without_any_target_are_refused_with_skip_no_assistant(tmp_path):
+    """Packed rows whose every conversation lost its targets to truncation: skip_no_assistant=True
+    kept them in their rows, weighing nothing, and the trainers trained on nothing."""
+    tokenized = collators.tokenize_dataset(collators.load_default_dataset().select(range(4)), sft_tokenizer())
+    rows = collators.pack_dataset(tokenized, max_length=8)
+    for make in TRAINERS.values():
+        with pytest.raises(ValueError, match=r"no conversation of `train_dataset` has a target \(4 in its packed rows"):
+            make(tiny_causal_lm(VOCAB), rows, tmp_path, packing=True, max_length=8, skip_no_assistant=True)
+
+
+# --- conversations where trl does not read them --------------------------------------------------
+
+
+def sharegpt(messages):
+    return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+            for m in messages]
+
+
+def to_messages(data):
+    """The fix the errors name, as they write it."""
+    return data.map(lambda row: {'messages': [{'role': {'human': 'user', 'gpt': 'assistant'}.get(m['from'], m['from']),
+                                               'content': m['value']} for m in row['messages']]})
+
+
+@pytest.mark.parametrize("assistant_only", [True, False], ids=["assistant_only_loss", "all-tokens"])
+def test_conversations_where_trl_does_not_read_them_are_named_with_the_fix(assistant_only, tmp_path):
+    """A `conversation` column got trl's "the dataset is not conversational" (or KeyError 'text');
+    ShareGPT keys inside `messages` got "has no assistant turn ... pass skip_no_assistant=True",
+    which would skip everything (or KeyError 'text'). Each is named with its fix, and the fix
+    works."""
+    data = collators.load_default_dataset().select(range(4)).remove_columns("category")
+    args = sft_args(tmp_path, assistant_only_loss=assistant_only, padding_free=True, max_length=None)
+
+    def build(dataset, **kwargs):
+        return PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=dataset,
+                                processing_class=sft_tokenizer(), **kwargs)
+
+    renamed = data.rename_column("messages", "conversation")
+    with pytest.raises(ValueError, match=r"`train_dataset` has no 'messages' column, and its column 'conversation' "
+                                         r"holds conversations.*dataset.rename_column\('conversation', 'messages'\)"):
+        build(renamed)
+    keyed = data.map(lambda row: {"messages": sharegpt(row["messages"])})
+    with pytest.raises(ValueError, match=r"`train_dataset\[0\]\['messages'\]\[0\]` has ShareGPT's key\(s\) "
+                                         r"\['from', 'value'\], not 'role' and 'content': map them"):
+        build(keyed, skip_no_assistant=True)
+    expected = build(data).train_dataset
+    for fixed in (renamed.rename_column("conversation", "messages"), to_messages(keyed)):
+        assert build(fixed).train_dataset["input_ids"] == expected["input_ids"]
+    # ShareGPT's own column: trl renames its keys, but not its roles 'human' and 'gpt' (which the
+    # template rendered as they are), and not under assistant_only_loss: named, with both fixes
+    shared = keyed.rename_column("messages", "conversations")
+    with pytest.raises(ValueError, match=r"column 'conversations' holds conversations.*ShareGPT's keys"):
+        build(shared)
+    fixed = to_messages(shared.rename_column("conversations", "messages"))
+    assert build(fixed).train_dataset["input_ids"] == expected["input_ids"]
+    if not assistant_only:  # with the roles of the messages format, trl's own conversion is taken
+        roles = data.map(lambda row: {"conversations": [{"from": m["role"], "value": m["content"]}
+                                                        for m in row["messages"]]}, remove_columns="messages")
+        assert build(roles).train_dataset["input_ids"] == expected["input_ids"]
+
+
+def test_sharegpt_keys_in_a_later_row_are_named_not_skipped(tmp_path):
+    data = collators.load_default_dataset().select(range(4)).remove_columns("category")
+    messages = list(data["messages"])
+    messages[2] = sharegpt(messages[2])
+    mixed = Dataset.from_dict({"messages": messages})
+    args = sft_args(tmp_path, assistant_only_loss=True, padding_free=True, max_length=None)
+    with pytest.raises(ValueError, match=r"`train_dataset\[2\]\['messages'\]\[0\]` has ShareGPT's key\(s\)"):
+        PackedSFTTrainer(model=tiny_causal_lm(VOCAB), args=args, train_dataset=mixed,
+                         processing_class=sft_tokenizer(), skip_no_assistant=True)

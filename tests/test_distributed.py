@@ -42,7 +42,8 @@ from integration_utils import (
     SFT_LENGTHS,
     SFT_LR,
     assert_gradients_close,
-    free_port,
+    rendezvous,
+    start_rank,
     gradients,
     one_at_a_time,
     per_conversation_sgd_step,
@@ -127,7 +128,7 @@ def runs_of(parallel: str) -> tuple[str, ...]:
     return runs + (("ddp",) if parallel == "ddp" else ())
 
 
-def worker(rank: int, port: int, backend: str, out_dir: str, parallel: str) -> None:
+def worker(rank: int, store: str, backend: str, out_dir: str, parallel: str) -> None:
     """Every run in one pair of processes (starting processes is the slow part of this file).
 
     With ``parallel="ddp"``: one accumulated step through plain DDP (this rank's gradients are
@@ -136,22 +137,11 @@ def worker(rank: int, port: int, backend: str, out_dir: str, parallel: str) -> N
     parameters are saved). accelerate picks up the process group already initialised from the
     environment.
     """
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-    )
-    # one thread per process: two processes with a thread pool each on a small CI machine spend
-    # most of their time fighting over the cores
-    torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    start_rank(rank, WORLD, store, backend)
     steps = {"trainer": trainer_steps, "sft": sft_steps, "lora": lora_steps}
     try:
         for run in runs_of(parallel):
@@ -355,7 +345,7 @@ def trainer_steps(backend: str, out_dir: str, parallel: str) -> dict:
 
 def run_workers(backend: str, out_dir: str, parallel: str = "ddp") -> dict[str, list[dict]]:
     """Every run on WORLD processes; results by run, one entry per rank."""
-    mp.spawn(worker, args=(free_port(), backend, out_dir, parallel), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(rendezvous(out_dir), backend, out_dir, parallel), nprocs=WORLD, join=True)
     return {
         run: [torch.load(os.path.join(out_dir, f"{run}-rank{rank}.pt")) for rank in range(WORLD)]
         for run in runs_of(parallel)

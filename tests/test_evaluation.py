@@ -22,9 +22,10 @@ import torch.multiprocessing as mp
 from packed_ce.integrations import tiny_causal_lm
 
 from integration_utils import (
-    free_port,
     one_at_a_time,
+    rendezvous,
     sft_args,
+    start_rank,
     synthetic_conversations,
     tiny_model,
     tiny_tokenizer,
@@ -215,13 +216,10 @@ def test_prediction_metrics_are_refused(trainer_name, option, tmp_path, monkeypa
 WORLD = 2
 
 
-def worker(rank: int, port: int, out_dir: str) -> None:
+def worker(rank: int, store: str, out_dir: str) -> None:
     """Every two-process layout at every batch size; each rank saves the results and the
     conversations each trainer evaluated."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    start_rank(rank, WORLD, store)
     try:
         results = {}
         for trainer_name, layout in TWO_PROCESS_LAYOUTS:
@@ -240,7 +238,7 @@ def test_eval_loss_on_two_processes_leaves_out_accelerates_copies(tmp_path):
     """Seven conversations over two processes: at batch sizes 1 and 2 the second process's last
     batch holds a copy of the first conversation, at 64 both batches are completed with copies
     (all of the second process's)."""
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
     for key, (results, found) in ranks[0].items():
@@ -287,7 +285,8 @@ def test_copies_are_found_where_accelerate_puts_them(split_batches):
 
 def test_eval_set_without_length_over_processes_is_refused():
     """accelerate's ``IterableDatasetShard`` completes the last batch with copies that nothing
-    tells apart: refused naming the fix; with ``drop_last`` (no copies) or one process, taken."""
+    tells apart, and a ``datasets`` stream split by its shards gives processes uneven batches:
+    refused naming the fix; with ``drop_last`` (no copies) or one process, taken."""
     from types import SimpleNamespace
 
     from accelerate.data_loader import IterableDatasetShard
@@ -304,3 +303,45 @@ def test_eval_set_without_length_over_processes_is_refused():
     assert copies_layout(SimpleNamespace(dataset=shard), 1, "PackedTrainer") is None
     dropping = IterableDatasetShard(Stream(), batch_size=2, drop_last=True, num_processes=2)
     assert copies_layout(SimpleNamespace(dataset=dropping), 2, "PackedTrainer") is None
+    # a datasets stream of enough shards, which accelerate splits by shard (each process collating
+    # its own batches): the processes' batch counts may differ
+    from datasets import Dataset
+
+    shards = Dataset.from_dict({"x": list(range(5))}).to_iterable_dataset(num_shards=2)
+    with pytest.raises(ValueError, match="different numbers of batches"):
+        copies_layout(SimpleNamespace(dataset=shards.shard(2, 0)), 2, "PackedTrainer")
+    assert copies_layout(SimpleNamespace(dataset=shards), 1, "PackedTrainer") is None
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl")
+@pytest.mark.parametrize(
+    "layout", [dict(padding_free=True, max_length=None), dict(packing=True, max_length=512)],
+    ids=["padding_free", "packing"],
+)
+def test_predict_prepares_untokenised_conversations(layout, tmp_path):
+    """trl's ``predict()`` took a data set of conversations as it was: with a ``source`` or
+    ``weight`` column its collator raised a bare ``KeyError: 'input_ids'`` (without, transformers'
+    "No columns in the dataset match"). PackedSFTTrainer prepares it as ``evaluate()`` does:
+    ``test_loss`` and ``test_loss/<source>`` are the weighted per-conversation means of every
+    conversation alone, and ``evaluate()``'s on the same data."""
+    import collators
+    from packed_ce.integrations import PackedSFTTrainer
+
+    from integration_utils import relative_error, sft_tokenizer
+
+    tokenizer = sft_tokenizer()
+    data = collators.load_default_dataset().select(range(7)).remove_columns("category")
+    data = data.add_column("weight", WEIGHTS).add_column("source", SOURCES)
+    trainer = PackedSFTTrainer(model=tiny_causal_lm(len(tokenizer)), args=sft_args(tmp_path, assistant_only_loss=True,
+                                                                                  per_device_eval_batch_size=2, **layout),
+                               train_dataset=data, processing_class=tokenizer)
+    metrics = trainer.predict(data).metrics
+    found = [collators.tokenize_conversation(tokenizer, m) for m in data["messages"]]
+    with torch.no_grad():
+        expected = one_at_a_time(trainer.model, found, WEIGHTS)
+        assert relative_error(torch.tensor(metrics["test_loss"]), expected) <= 1e-5
+        for source in set(SOURCES):
+            picked = [i for i, s in enumerate(SOURCES) if s == source]
+            mean = one_at_a_time(trainer.model, [found[i] for i in picked], [WEIGHTS[i] for i in picked])
+            assert relative_error(torch.tensor(metrics[f"test_loss/{source}"]), mean) <= 1e-5
+    assert metrics["test_loss"] == pytest.approx(trainer.evaluate(data)["eval_loss"], rel=1e-12)

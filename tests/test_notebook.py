@@ -41,7 +41,7 @@ def test_notebook_executes_to_what_is_committed():
     nothing that changes from run to run (timestamps, seconds, memory addresses): `make
     notebook` leaves a clean clone clean."""
     notebook = execute.build(execute.SCRIPT)
-    execute.execute(notebook, timeout=120)  # raises with the cell's traceback on error
+    execute.execute(notebook)  # raises with the cell's traceback on error
     assert not [out for cell in notebook.cells for out in cell.get("outputs", []) if out.output_type == "error"]
     committed = nbformat.read(execute.NOTEBOOK, as_version=4)
     assert [cell.id for cell in notebook.cells] == [f"cell-{n:02d}" for n in range(len(notebook.cells))]

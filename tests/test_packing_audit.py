@@ -349,3 +349,23 @@ def test_a_refusal_names_what_works_on_this_machine():
     assert "SFTConfig(packing=False, padding_free=False)" in message and "PaddedCollator" in message
     loss = model(**PaddedCollator()(conversations())).loss
     assert_loss_close(loss, one_at_a_time(model, conversations()))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_mask_built_without_the_conversations_names_no_implementation_that_gets_it_too(attn):
+    """Granite 4.0-H (transformers 5.24 builds its masks without position_ids): eager's mask and
+    sdpa's none leak alike, and flex attention gets the same mask, so neither refusal may send the
+    user to another of them (it named sdpa from eager and eager from sdpa); without rotary
+    embeddings flash attention is refused too, so only unpacked training is named, and it is
+    exact."""
+    model = tiny_family_model("granitemoehybrid", attn)
+    apply_packed_loss(model, backend="torch")
+    with pytest.raises(ValueError, match=f"model_type='granitemoehybrid' with attn_implementation='{attn}'") as refused:
+        model(**packed_batch())
+    message = str(refused.value)
+    assert "load the model with" not in message, message
+    assert "eager, sdpa, flex_attention get their masks from the same code" in message
+    assert "flash attention is refused without rotary position embeddings" in message
+    assert "SFTConfig(packing=False, padding_free=False)" in message and "PaddedCollator" in message
+    loss = model(**PaddedCollator()(conversations())).loss
+    assert_loss_close(loss, one_at_a_time(model, conversations()))

@@ -62,6 +62,8 @@ def test_readme_block_runs(index, tmp_path, monkeypatch, loaded_once):
         return
     monkeypatch.chdir(tmp_path)
     exec(compile(code, f"documentation python block {index}", "exec"), {"__name__": "__readme__"})
+    # a reader runs it in the clone: what it writes goes to a temporary directory
+    assert not list(tmp_path.iterdir()), f"block {index} wrote {sorted(p.name for p in tmp_path.iterdir())}"
 
 
 README_BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)

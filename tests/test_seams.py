@@ -22,7 +22,6 @@ the last batch; the trainers first ``evaluate()`` (``eval_loss`` must be the ref
 from __future__ import annotations
 
 import collections
-import datetime
 import json
 import os
 import random
@@ -36,9 +35,10 @@ datasets = pytest.importorskip("datasets")
 
 from integration_utils import (  # noqa: E402
     flat_relative_error,
-    free_port,
     has_target,
     one_at_a_time,
+    rendezvous,
+    start_rank,
     synthetic_conversations,
     tiny_model,
 )
@@ -207,16 +207,13 @@ def trainer(rows, case, world, rank, out_dir):
     return eval_loss, {n: p.detach() - initial[n] for n, p in model.named_parameters()}
 
 
-def worker(rank: int, world: int, port: int, folder: str, cases: list[dict]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def worker(rank: int, world: int, store: str, folder: str, cases: list[dict]) -> None:
+    # one process too: accelerate takes this group rather than starting its own
+    start_rank(rank, world, store)
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     datasets.disable_progress_bars()
-    if world > 1:  # a collective that one process skips fails in seconds, not a hang
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     results = {}
     try:
         for case in cases:
@@ -236,8 +233,7 @@ def worker(rank: int, world: int, port: int, folder: str, cases: list[dict]) -> 
                 dist.barrier()
     finally:
         torch.save(results, os.path.join(folder, f"{world}-rank{rank}.pt"))
-        if world > 1:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
@@ -247,7 +243,7 @@ def test_every_producer_into_every_consumer(world, tmp_path):
         case["path"] = produce(case, tmp_path)
     # one process too is spawned: the environment a worker sets and the process group accelerate
     # starts from it stay out of the tests that follow
-    mp.spawn(worker, args=(world, free_port(), str(tmp_path), cases), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, rendezvous(tmp_path), str(tmp_path), cases), nprocs=world, join=True)
     results = torch.load(tmp_path / f"{world}-rank0.pt")
     failures, ran = [], collections.Counter()
     for case in cases:

@@ -39,6 +39,7 @@ from integration_utils import (  # noqa: E402
     sgd,
     snapshot,
     synthetic_conversations,
+    without_generation_markers,
 )
 
 VOCAB = 3072  # the default tokenizer's size
@@ -342,14 +343,13 @@ ZEPHYR = (
 )
 
 
-def unmarked_chatml(tokenizer):
-    return tokenizer.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
 
 
 @pytest.mark.parametrize("template", ["chatml-unmarked", "zephyr"])
 def test_assistant_only_loss_without_generation_markers(template, tmp_path):
-    tokenizer = copy.deepcopy(sft_tokenizer())
-    tokenizer.chat_template = ZEPHYR if template == "zephyr" else unmarked_chatml(tokenizer)
+    tokenizer = without_generation_markers(sft_tokenizer())
+    if template == "zephyr":
+        tokenizer.chat_template = ZEPHYR
     dataset = collators.load_default_dataset().select(range(6))
     trainer = PackedSFTTrainer(
         model=tiny_causal_lm(VOCAB), args=sft_args(tmp_path, assistant_only_loss=True, padding_free=True,

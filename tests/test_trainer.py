@@ -179,6 +179,28 @@ def test_packed_trainer_keeps_seq_lengths_column(truth, tmp_path):
     assert batch["cu_seqlens"].tolist() == expected
 
 
+def test_streamed_rows_train_exactly_on_one_process(truth, tmp_path):
+    """The streaming path (a datasets.IterableDataset packed by PackedIterableDataset, collated by
+    PackedCollator) on one process: accelerate dispatched such data by default and cut every
+    tensor to the first one's batch size, cu_seqlens (S+1,) to (1,) ("seq_targets must have shape
+    (S,) = (0,)"); now each process collates its own batches and the steps are the ground truth's
+    on the streamed rows. ``dispatch_batches=True`` is refused by name."""
+    from collators import PackedIterableDataset
+
+    conversations = split_rows(packed_rows())  # ordered by the packer: a stream of them repacks alike
+    stream = PackedIterableDataset(Dataset.from_list(conversations).to_iterable_dataset(), max_length=32)
+    rows = list(stream)[: STEPS * ACCUMULATION * BATCH_ROWS]
+    model, losses = train(PackedTrainer, stream, PackedCollator(), tmp_path)
+    reference, expected_losses = ground_truth(rows)
+    for actual, expected in zip(losses, expected_losses, strict=True):
+        assert_loss_close(torch.tensor(actual), torch.tensor(expected))
+    initial = truth[1]
+    assert_gradients_close(updates(model, initial), updates(reference, initial))
+    with pytest.raises(ValueError, match="dispatch_batches=True slices every tensor of a batch"):
+        PackedTrainer(model=model, args=training_args(tmp_path, accelerator_config={"dispatch_batches": True}),
+                      train_dataset=stream, data_collator=PackedCollator())
+
+
 def test_packed_trainer_needs_the_packed_loss(tmp_path):
     with pytest.raises(ValueError, match="apply_packed_loss"):
         PackedTrainer(model=tiny_model("llama", VOCAB), args=training_args(tmp_path))

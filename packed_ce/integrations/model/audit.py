@@ -128,16 +128,26 @@ _SUPPORT_FLAGS = {
 }
 
 
-def _elsewhere(model: nn.Module) -> str:
+# The implementations that read the mask transformers builds for them from the same arguments: a
+# family whose mask leaks in one leaks in all (tests/test_families.py: none is exact with eager and
+# refused with sdpa, or the other way round).
+_MASKED = ("eager", "sdpa", "flex_attention")
+
+
+def _elsewhere(model: nn.Module, masks_leak: bool = False) -> str:
     """What to do instead: the other attention implementations the family supports on this
     machine and no table refuses (each checked again on its first packed call), and unpacked
-    training.
+    training. ``masks_leak``: the call's mask leaked, so the implementations of :data:`_MASKED`
+    are no way out.
     """
     family = getattr(model.config, "model_type", type(model).__name__)
     current = model.config._attn_implementation
+    # flash attention's positions are read from the rotary embeddings (_flash_leak): without
+    # them (absolute positions, none) it is refused too
+    rotary = any(type(module).__name__.endswith("RotaryEmbedding") for module in model.modules())
     usable = {"eager": True, "sdpa": True, "flex_attention": True}
     usable["flash_attention_2"] = bool(
-        torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+        rotary and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
     )
     others = [
         name
@@ -146,15 +156,22 @@ def _elsewhere(model: nn.Module) -> str:
         and name != current
         and (name == "eager" or getattr(model, _SUPPORT_FLAGS[name], False))
         and (family, name) not in LEAKY_IMPLEMENTATIONS
+        and not (masks_leak and name in _MASKED)
     ]
+    same = f"{', '.join(_MASKED)} get their masks from the same code, and " if masks_leak else ""
     if not others:
+        flash = (
+            "flash attention on a GPU may keep them apart"
+            if rotary
+            else "flash attention is refused without rotary position embeddings"
+        )
         return (
-            f"no other attention implementation of {family} runs on this machine (flash "
-            f"attention on a GPU may keep them apart): pack nothing with it, {UNPACKED}"
+            f"{same}no other attention implementation of {family} runs on this machine "
+            f"({flash}): pack nothing with it, {UNPACKED}"
         )
     return (
-        f"load the model with attn_implementation={' or '.join(map(repr, others))} (its first "
-        f"packed call is checked again), {UNPACKED}"
+        f"{same}load the model with attn_implementation={' or '.join(map(repr, others))} (its "
+        f"first packed call is checked again), {UNPACKED}"
     )
 
 
@@ -277,7 +294,7 @@ class _Audit:
             f"packed batches are not exact on model_type={self.family!r} with "
             f"attn_implementation={self.implementation!r}: decoder layer {name!r} gets {leak}, so "
             f"a packed conversation attends to the one before it{hint}; "
-            f"{_elsewhere(self.model)}"
+            f"{_elsewhere(self.model, masks_leak='flash' not in self.implementation)}"
         )
 
 

@@ -9,6 +9,7 @@ model is probed there; what no mask shows is listed here:
   (``mixers.py``);
 - :data:`LEAKY_FAMILIES`, :data:`LEAKY_IMPLEMENTATIONS`: families packed-ce cannot keep apart,
   refused by name with the reason;
+- :data:`ZERO_EMBEDDING_FAMILIES`: families without a finite gradient at a zero embedding;
 - :data:`UNFUSABLE_CONFIG_FIELDS`: what the fused head cannot reproduce;
 - :data:`EXACT_LAYER_TYPES`, :data:`DROPOUT_FIELDS`: what context parallelism reproduces of an
   attention layer, and the fields of the dropout it refuses.
@@ -119,6 +120,14 @@ LEAKY_IMPLEMENTATIONS: dict[tuple[str, str], str] = {
     ("doge", "flex_attention"): "its attention builds its dynamic mask without the flex "
     "BlockMask, so flex attention gets no conversation boundary (eager and sdpa are exact)",
     ("gpt_oss", "flex_attention"): "its mask lets a conversation see the one before it",
+}
+
+# Families whose forward has no finite gradient at a token whose embedding is 0 (the embedding's
+# padding_idx, which nn.Embedding keeps at 0): text model_type -> why. Such a token (a padding
+# segment of PackedCollator's default pad_token_id=0) is refused (guards.py).
+ZERO_EMBEDDING_FAMILIES: dict[str, str] = {
+    "gemma3n_text": "AltUp scales each token by sqrt(mean(x**2)) of its embedding, whose gradient "
+    "at 0 is 0 * inf",
 }
 
 # Configuration fields with which a causal LM's forward does more than ``lm_head`` (plus the final

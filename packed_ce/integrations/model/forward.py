@@ -20,7 +20,7 @@ from packed_ce.columns import LABELS, LAYOUT, POSITION_IDS, ROW_LAYOUT, SHIFT_LA
 
 from .audit import start_audit
 from .families import UNFUSABLE_CONFIG_FIELDS
-from .guards import checked_call, refuse_shard
+from .guards import checked_call, refuse_shard, refuse_zero_embedding_tokens
 from .installation import CONTEXT_PARALLEL, MISSING, Installation
 from .loss import SEQ_LOSSES_KEY, TOKEN_STATS_KEY
 from .rotary import with_row_positions
@@ -216,6 +216,7 @@ class PackedForward:
         else:
             kwargs = context_parallel.prepare(model, kwargs)
         kwargs = prepared(installation, args, kwargs)
+        refuse_zero_embedding_tokens(model, kwargs, context_parallel)
         labels = kwargs.get(LABELS)
         fused = installation.fused_options is not None
         fused = fused and not args and labels is not None and model.training

@@ -20,6 +20,8 @@ from packed_ce.columns import (
 from packed_ce.layout import PackedLayout
 from packed_ce.options import SEQUENCE_FIELDS
 
+from .families import ZERO_EMBEDDING_FAMILIES
+
 # The per-call tensors the model's own forward reads before the packed loss does (its attention:
 # position_ids, and cu_seq_lens_q with flash attention): type-checked here, where they enter.
 MODEL_TENSORS = (CU_SEQ_LENS_Q, POSITION_IDS)
@@ -55,6 +57,48 @@ def call_tokens(args: tuple, kwargs: dict) -> Any:
     if tokens is None and args:
         tokens = args[0]
     return tokens
+
+
+def refuse_zero_embedding_tokens(model, kwargs: dict, context_parallel=None) -> None:
+    """Refuses, where gradients are taken, ``input_ids`` holding the embedding's ``padding_idx`` in
+    a family of :data:`ZERO_EMBEDDING_FAMILIES` whose embedding of it is 0: the loss is finite,
+    but most gradients would be NaN (a tiny Gemma 3n: 50 of its 59 parameters, on a padding
+    segment of ``PackedCollator``'s default ``pad_token_id=0``). Costs one host sync on such
+    families only.
+
+    Args:
+        context_parallel: the model's context-parallel state (its ``group`` and ``world_size``),
+            or None: whether any rank's shard holds the token is all-reduced over its group, so
+            that every rank raises (the padding lies in one rank's shard; that rank alone
+            raising would leave the others waiting in a collective).
+    """
+    family = model.config.get_text_config().model_type
+    tokens = kwargs.get(INPUT_IDS)
+    if family not in ZERO_EMBEDDING_FAMILIES or not torch.is_grad_enabled():
+        return
+    embedding = model.get_input_embeddings()
+    pad = getattr(embedding, "padding_idx", None)
+    if pad is None or not isinstance(tokens, torch.Tensor):
+        return
+    weight = embedding.weight
+    found = (tokens == pad).any()
+    # a tensor subclass (FSDP2's sharded DTensor) is taken as 0: reading its row would be a
+    # collective that only the ranks holding the token join
+    if type(weight) is torch.nn.Parameter:
+        found &= ~weight[pad].detach().to(found.device).any()
+    if context_parallel is not None and context_parallel.world_size > 1:
+        found = found.to(torch.int64)
+        group = context_parallel.group
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
+    if not bool(found):
+        return
+    other = (pad + 1) % weight.shape[0]
+    raise ValueError(
+        f"model_type={family!r}: input_ids hold token {pad}, its embedding's padding_idx, whose "
+        f"embedding is 0, and {ZERO_EMBEDDING_FAMILIES[family]}, so its gradients would be NaN "
+        "(the loss stays finite): pad with another token, e.g. collators.PackedCollator("
+        f"pad_to_multiple_of=..., pad_token_id={other}) (its padding segment's token, 0 by default)"
+    )
 
 
 def checked_call(args: tuple, kwargs: dict) -> dict:

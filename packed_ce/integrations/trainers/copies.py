@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import datasets
 import numpy as np
 import torch
 from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
@@ -51,22 +52,27 @@ def copies_layout(dataloader, world_size: int, trainer: str) -> Layout | None:
 
     Returns:
         ``(r, b)``, or None where no batch holds copies (one data-parallel process, drop_last,
-        uneven batches, a data set sharded by ``datasets``).
+        uneven batches).
 
     Raises:
-        ValueError: for a loader whose copies cannot be told apart (a data set without a length
-            over several processes).
+        ValueError: for a data set without a length over several processes: its copies cannot
+            be told apart, or (a ``datasets.IterableDataset`` split by its shards) the processes'
+            batch counts may differ.
     """
     dataset = getattr(dataloader, "dataset", None)
     sharded = isinstance(dataset, IterableDatasetShard) and dataset.num_processes > 1
+    # a datasets.IterableDataset of enough shards that accelerate split between the processes:
+    # their batch counts may differ
+    split = isinstance(dataset, datasets.IterableDataset)
     if world_size > 1 and (
-        isinstance(dataloader, DataLoaderDispatcher) or (sharded and not dataset.drop_last)
+        isinstance(dataloader, DataLoaderDispatcher) or (sharded and not dataset.drop_last) or split
     ):
         raise ValueError(
             f"{trainer}: a data set without a length over {world_size} processes: accelerate "
             "completes the last batches with copies of the first examples, which could not be told "
-            "apart and would count twice; pass a data set with a length (a datasets.Dataset, or "
-            "collators.pack_dataset of a streamed one)"
+            "apart and would count twice (or, splitting a datasets.IterableDataset by its shards, "
+            "gives the processes different numbers of batches); pass a data set with a length (a "
+            "datasets.Dataset, or collators.pack_dataset of a streamed one)"
         )
     samplers = (getattr(dataloader, "batch_sampler", None), getattr(dataloader, "sampler", None))
     sampler = next((s for s in samplers if isinstance(s, BatchSamplerShard)), None)

@@ -24,12 +24,21 @@ _BATCH_ROWS = 65536
 
 
 def check_datasets(
-    arguments: dict, trainer: str, skip: bool, *, assistant_only: bool = False
+    arguments: dict,
+    trainer: str,
+    skip: bool,
+    *,
+    assistant_only: bool = False,
+    text_field: str | None = None,
+    names: tuple[str, ...] = ("train_dataset", "eval_dataset"),
 ) -> None:
     """A trainer's checks before its construction, on its bound ``train_dataset`` and
-    ``eval_dataset`` arguments, which are replaced in ``arguments`` by the rows kept: the columns,
+    ``eval_dataset`` arguments (or the data set arguments ``names`` of a later call), which are
+    replaced in ``arguments`` by the rows kept: the columns,
     not empty, and (with ``assistant_only``, for conversational data) an assistant turn or (for
-    tokenised data) a target in every conversation, or ``skip`` them.
+    tokenised data) a target in every conversation, or ``skip`` them. With ``text_field`` (trl's
+    ``dataset_text_field``), the conversations where trl reads them
+    (:func:`check_conversation_columns`).
     """
     if not isinstance(skip, bool):
         raise TypeError(
@@ -39,11 +48,13 @@ def check_datasets(
     def check(dataset, name):
         check_columns(dataset, name)
         check_not_empty(dataset, name)
+        if text_field is not None:
+            check_conversation_columns(dataset, name, trainer, text_field, assistant_only)
         if assistant_only:
             dataset = skip_or_refuse_without_assistant(dataset, name, trainer, skip)
         return skip_or_refuse_without_targets(dataset, name, trainer, skip)
 
-    for name in ("train_dataset", "eval_dataset"):
+    for name in names:
         if arguments.get(name) is not None:
             arguments[name] = each_dataset(arguments[name], name, check)
 
@@ -100,6 +111,57 @@ def check_columns(dataset, name: str) -> None:
                 column.check_together(np.asarray(values, dtype=np.float64), where, name)
 
 
+def check_conversation_columns(
+    dataset, name: str, trainer: str, text_field: str, assistant_only: bool
+) -> None:
+    """Conversations where trl reads them, found from the first row: in ``messages`` with ``role``
+    and ``content`` keys. trl's errors for a column of another name (``conversation``, or ShareGPT's
+    ``conversations`` under ``assistant_only_loss``) named no column, ShareGPT's ``from`` /
+    ``value`` keys inside ``messages`` read as conversations without an assistant turn, and trl's
+    conversion of ShareGPT's ``conversations`` keeps its roles ``human`` and ``gpt``, which a
+    template renders as they are.
+
+    Raises:
+        ValueError naming the column (and the fix, a rename) or the message and its keys (and the
+        fix, a map).
+    """
+    from trl.data_utils import is_conversational_from_value
+
+    from collators.chat import SHAREGPT_FIX, is_conversation, sharegpt_keys
+
+    first = next(iter(dataset), None) if isinstance(dataset, datasets.IterableDataset) else None
+    if isinstance(dataset, datasets.Dataset) and dataset.num_rows:
+        first = dataset[0]
+    if not isinstance(first, dict):
+        return
+    read = {INPUT_IDS, "messages", "prompt", "completion", text_field}
+    roles = {m.get("from") for m in first.get("conversations") or [] if isinstance(m, dict)}
+    if not assistant_only and is_conversational_from_value(first) and not roles & {"human", "gpt"}:
+        read.add("conversations")  # trl renames it and its keys (not ShareGPT's roles) itself
+    if not read & set(first):
+        found = next((column for column, value in first.items() if is_conversation(value)), None)
+        if found is not None:
+            sharegpt = sharegpt_keys(first[found][0])
+            # trl converts ShareGPT's column, keeping its roles, and refuses it with
+            # assistant_only_loss
+            why = (
+                "whose roles trl's conversion keeps as they are (and which it refuses with "
+                "assistant_only_loss)"
+                if found == "conversations" and sharegpt
+                else f"which {trainer} (as trl) reads from 'messages'"
+            )
+            raise ValueError(
+                f"`{name}` has no 'messages' column, and its column {found!r} holds "
+                f"conversations, {why}: rename it, dataset.rename_column({found!r}, 'messages')"
+                + (f"; its messages have ShareGPT's keys: {SHAREGPT_FIX}" if sharegpt else "")
+                + "."
+            )
+    for index, message in enumerate(first.get("messages") or []):
+        sharegpt = sharegpt_keys(message)
+        if sharegpt:
+            raise ValueError(f"`{name}[0]['messages'][{index}]` {sharegpt}.")
+
+
 def check_not_empty(dataset, name: str) -> None:
     """ValueError naming ``dataset`` when it has no row (an ``IterableDataset`` is not counted)."""
     try:
@@ -119,13 +181,19 @@ def skip_or_refuse_without_assistant(dataset, name: str, trainer: str, skip: boo
     """
     if not isinstance(dataset, datasets.Dataset) or "messages" not in dataset.column_names:
         return dataset
+    from collators.chat import sharegpt_keys
+
     rows = dataset.select_columns(["messages"]).iter(batch_size=_BATCH_ROWS)
     conversations = (messages for batch in rows for messages in batch["messages"])
-    missing = [
-        row
-        for row, messages in enumerate(conversations)
-        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or [])
-    ]
+    missing = []
+    for row, messages in enumerate(conversations):
+        if any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or []):
+            continue
+        for index, message in enumerate(messages or []):
+            keys = sharegpt_keys(message)
+            if keys:  # its roles are under another key: skipping it would leave out its data
+                raise ValueError(f"`{name}[{row}]['messages'][{index}]` {keys}.")
+        missing.append(row)
     if missing and not skip:
         raise ValueError(
             f"`{name}[{missing[0]}]['messages']` has no assistant turn, so assistant_only_loss "
@@ -146,7 +214,8 @@ def skip_or_refuse_without_targets(
     may lie in another row.
 
     Raises:
-        ValueError naming the row and the fix; naming the data set when no row is left.
+        ValueError naming the row and the fix; naming the data set when no row is left (packed:
+            no conversation has a target).
     """
     if not isinstance(dataset, datasets.Dataset) or not {INPUT_IDS, LABELS} <= set(
         dataset.column_names
@@ -213,6 +282,14 @@ def skip_or_refuse_without_targets(
             missing.extend((row + rows[without]).tolist())
         row += len(tokens)
     if packed:
+        if missing and len(missing) == counted:
+            raise ValueError(
+                f"no conversation of `{name}` has a target ({counted} in its packed rows, none "
+                f"with a label other than {ignore_index} after its first token), so nothing would "
+                "train: "
+                "pack conversations with assistant turns (collators.pack_dataset counts those "
+                "truncation leaves without one: raise its max_length, or overflow='split')."
+            )
         if missing:
             logger.warning(
                 "%s: %d of %d conversations have no target; they stay in their packed rows and "
@@ -241,7 +318,7 @@ def skip_or_refuse_dropped(
 ):
     """TRL's preparation after truncating to ``max_length`` drops, without a word, the rows left
     without a target. Those rows (missing from :data:`ROW_INDEX`) are an error naming the first,
-    or with ``skip`` a logged count; the index column is removed.
+    or with ``skip`` a logged count (an error when none is left); the index column is removed.
 
     Args:
         prepared: trl's prepared data set, from :func:`numbered` data of ``given`` rows.
@@ -252,11 +329,20 @@ def skip_or_refuse_dropped(
     kept[np.asarray(prepared[ROW_INDEX], dtype=np.int64)] = True
     prepared = prepared.remove_columns(ROW_INDEX)
     dropped = np.flatnonzero(~kept)
+    fixes = (
+        "raise max_length, or use packing=True with packing_strategy='bfd_split' (long "
+        "conversations split across rows, every target trained once)"
+    )
+    if dropped.size and dropped.size == given:
+        raise ValueError(
+            f"no conversation of `{name}` has a target left after truncation to "
+            f"max_length={max_length} ({given} of {given} without one), so nothing would train: "
+            f"{fixes}."
+        )
     if dropped.size and not skip:
         raise ValueError(
             f"`{name}[{dropped[0]}]` has no target left after truncation to "
-            f"max_length={max_length} ({dropped.size} such rows): raise max_length, use "
-            "packing=True (which keeps or splits long conversations), or pass "
+            f"max_length={max_length} ({dropped.size} such rows): {fixes}, or pass "
             f"skip_no_assistant=True to {trainer} to skip them (counted and logged)."
         )
     if dropped.size:

@@ -118,6 +118,31 @@ class PackedNormaliserMixin:
         if not self._sources:
             self._sources = source_names(self.train_dataset, self.eval_dataset)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, every process collating its own batches (accelerate's
+        dispatching turned off).
+
+        accelerate dispatches the batches of a data set without a length (an ``IterableDataset``,
+        ``dispatch_batches`` unset) from the first process: it concatenates ``W`` batches and gives
+        each process the slice of every tensor along its first dimension, of the size of the first
+        tensor's. A packed batch's per-sequence tensors (``cu_seqlens`` ``(S+1,)``, ``seq_targets``
+        ``(S,)``, ...) have no such dimension: on one process ``cu_seqlens`` was cut to ``(1,)``
+        ("seq_targets must have shape (S,) = (0,)"), and rows of other lengths do not concatenate.
+
+        Raises:
+            ValueError: for ``accelerator_config={"dispatch_batches": True}``.
+        """
+        super().create_accelerator_and_postprocess()
+        config = self.accelerator.dataloader_config
+        if config.dispatch_batches:
+            raise ValueError(
+                f"{type(self).__name__}: accelerator_config dispatch_batches=True slices every "
+                "tensor of a batch along its first dimension, which a packed batch's per-sequence "
+                "tensors (cu_seqlens, seq_targets, ...) do not have: leave dispatch_batches unset "
+                "(each process then collates its own batches)"
+            )
+        config.dispatch_batches = False
+
     def _set_up_context_parallel(self) -> None:
         """``ParallelismConfig(cp_size=K)``: :func:`enable_context_parallel` on accelerate's
         ``"cp"`` mesh group; the other dimension is data parallel.

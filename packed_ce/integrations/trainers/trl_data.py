@@ -36,21 +36,53 @@ def assistant_labels(dataset, tokenizer, map_kwargs: dict) -> Any:
     ``assistant_only_loss``.
     """
     import collators
+    from collators.chat import template_inputs
 
     def tokenize(example):
         return collators.tokenize_conversation(
-            tokenizer, example["messages"], tools=example.get("tools")
+            tokenizer, example["messages"], **template_inputs(example)
         )
 
     return dataset.map(tokenize, remove_columns=["messages"], **map_kwargs)
 
 
-def pack(dataset, max_length: int, strategy: str):
+def as_the_template_reads(dataset, map_kwargs: dict, name: str):
+    """``dataset`` with the columns trl 1.16 leaves out of the chat template moved where it reads
+    them: ``documents`` into ``chat_template_kwargs``, a system prompt column
+    (``collators.chat.SYSTEM_COLUMNS``) into the messages as their first turn; as
+    ``collators.tokenize_dataset`` renders them. Data without them are returned as they are.
+    """
+    from collators.chat import system_column, with_system_prompt
+
+    names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
+    system = system_column(names, name)
+    moved = [column for column in ("documents", system) if column in names]
+    if not moved:
+        return dataset
+
+    def move(example, index):
+        out = {}
+        if "documents" in example:
+            kwargs = dict(example.get("chat_template_kwargs") or {})
+            out["chat_template_kwargs"] = {**kwargs, "documents": example["documents"]}
+        if system is not None:
+            where = f"`{name}` row {index}"
+            out["messages"] = with_system_prompt(example["messages"], example[system], where)
+        return out
+
+    return dataset.map(move, with_indices=True, remove_columns=moved, **map_kwargs)
+
+
+def pack(dataset, max_length: int, strategy: str, name: str, trainer: str):
     """Best-fit-decreasing rows of ``max_length`` tokens; ``"bfd_split"`` splits long conversations.
 
     Every target trains once and a split conversation weighs as one (:mod:`collators.packing`).
     Only the tokens and the data set columns of ``SEQUENCE_COLUMNS`` are packed (not trl's raw
     ``messages``).
+
+    Raises:
+        ValueError naming ``name`` and ``max_length``: no conversation has a target left after
+            truncation to ``max_length`` (``"bfd"``), so nothing would train (the loss 0).
     """
     import collators
 
@@ -59,7 +91,18 @@ def pack(dataset, max_length: int, strategy: str):
     names = dataset.column_names if dataset.column_names is not None else list(next(iter(dataset)))
     carried = [column.column for column in SEQUENCE_COLUMNS if column.column]
     columns = [c for c in (INPUT_IDS, LABELS, *carried) if c in names]
-    return collators.pack_dataset(dataset.select_columns(columns), max_length, overflow=overflow)
+    rows, stats = collators.pack_dataset(
+        dataset.select_columns(columns), max_length, overflow=overflow, return_stats=True
+    )
+    if stats.num_packed and stats.num_without_targets == stats.num_packed:
+        raise ValueError(
+            f"{trainer}: no conversation of `{name}` has a target left after truncation to "
+            f"max_length={max_length} ({stats.num_truncated} of {stats.num_packed} truncated, "
+            f"{stats.num_without_targets} left without a target), so nothing would train: raise "
+            "max_length, or use packing_strategy='bfd_split' (long conversations split across "
+            "rows, every target trained once)"
+        )
+    return rows
 
 
 def has_images(dataset) -> bool:

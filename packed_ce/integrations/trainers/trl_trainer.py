@@ -103,9 +103,14 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             bound.get("preprocess_logits_for_metrics"),
         )
         check_datasets(
-            bound, type(self).__name__, skip_no_assistant, assistant_only=config.assistant_only_loss
+            bound,
+            type(self).__name__,
+            skip_no_assistant,
+            assistant_only=config.assistant_only_loss,
+            text_field=config.dataset_text_field,
         )
         self._skip_no_assistant = skip_no_assistant
+        self._prediction_formatting = bound.get("formatting_func")  # predict() prepares with it
         # the sources of the raw data (packing moves them to seq_sources)
         self._sources = source_names(bound.get("train_dataset"), bound.get("eval_dataset"))
         self._own_assistant_labels = False
@@ -192,17 +197,63 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             ),
         )
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """The evaluation of trl, a data set with images given here prepared as at construction
-        (trl leaves it raw for its own collator).
+    def _check_later_dataset(self, dataset, name: str):
+        """A data set given to ``evaluate()`` or ``predict()``: the checks of the constructor's
+        data sets (:func:`check_datasets`), the rows kept returned.
         """
-        if self._vision and eval_dataset is not None and not isinstance(eval_dataset, str):
-            args = self.args
-            packing = args.packing if args.eval_packing is None else args.eval_packing
-            eval_dataset = self._vision_rows(
-                eval_dataset, "eval_dataset", self.processing_class, args, packing
-            )
+        found = {name: dataset}
+        check_datasets(
+            found,
+            type(self).__name__,
+            self._skip_no_assistant,
+            assistant_only=self.args.assistant_only_loss,
+            text_field=self.args.dataset_text_field,
+            names=(name,),
+        )
+        return found[name]
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """The ``evaluate()`` of trl (which prepares a data set given here), the data set checked
+        as the constructor's are first; one with images prepared as at construction (trl leaves
+        it raw for its own collator).
+        """
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._later_dataset(eval_dataset, "eval_dataset")
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _later_dataset(self, dataset, name: str):
+        """A data set given to ``evaluate()`` or ``predict()``, checked and (with images)
+        prepared as the constructor's.
+        """
+        if not self._vision:
+            return self._check_later_dataset(dataset, name)
+        args = self.args
+        packing = args.packing if args.eval_packing is None else args.eval_packing
+        return self._vision_rows(dataset, name, self.processing_class, args, packing)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """The Trainer's ``predict()`` on ``test_dataset`` checked and prepared as ``evaluate()``
+        prepares a data set (trl 1.16's ``predict()`` takes it as it is: untokenised
+        conversations reached the collator without ``input_ids``, a bare ``KeyError``).
+
+        Returns:
+            The Trainer's ``PredictionOutput``: ``<prefix>_loss`` the per-conversation mean over
+            the data set (and ``<prefix>_loss/<source>``), the logits and labels of its rows.
+        """
+        test_dataset = self._later_dataset(test_dataset, "test_dataset")
+        args = self.args
+        skip = (args.dataset_kwargs or {}).get("skip_prepare_dataset", False)
+        if not (skip or self._vision):
+            packing = args.packing if args.eval_packing is None else args.eval_packing
+            test_dataset = self._prepare_dataset(
+                test_dataset,
+                self.processing_class,
+                args,
+                packing,
+                self._prediction_formatting,
+                metric_key_prefix,
+            )
+        return super().predict(test_dataset, ignore_keys, metric_key_prefix)
 
     def _router_loss(self) -> float:
         """TRL's coefficient of a MoE router's loss (``router_aux_loss_coef``), 0.0 when off."""
@@ -211,19 +262,22 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
         """TRL's preparation, with this trainer's packing and, where needed, its labels.
 
-        Without generation markers, ``assistant_only_loss`` data is tokenised by
-        :func:`trl_data.assistant_labels` first; with ``packing=True`` the rows come from
-        :func:`trl_data.pack`, which carries ``weight`` and ``source`` to every piece. Rows packed
-        already (``seq_lengths``) are used as they are, under ``packing=True`` or ``False``
-        (:func:`trl_data.packed_rows`).
+        A conversational data set's ``documents`` and system prompt columns reach the chat template
+        (:func:`trl_data.as_the_template_reads`). Without generation markers,
+        ``assistant_only_loss`` data is tokenised by :func:`trl_data.assistant_labels` first; with
+        ``packing=True`` the rows come from :func:`trl_data.pack`, which carries ``weight`` and
+        ``source`` to every piece. Rows packed already (``seq_lengths``) are used as they are,
+        under ``packing=True`` or ``False`` (:func:`trl_data.packed_rows`).
         """
         if trl_data.is_packed(dataset):  # rows of collators.pack_dataset, packed-ce pack, ...
             return trl_data.packed_rows(
                 dataset, f"{name}_dataset", type(self).__name__, self.padding_free
             )
         map_kwargs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "num_rows") else {}
-        if self._own_assistant_labels and is_conversational(next(iter(dataset))):
-            dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
+        if is_conversational(next(iter(dataset))):
+            dataset = trl_data.as_the_template_reads(dataset, map_kwargs, f"{name}_dataset")
+            if self._own_assistant_labels:
+                dataset = trl_data.assistant_labels(dataset, processing_class, map_kwargs)
         if not packing:
             given = len(dataset) if isinstance(dataset, datasets.Dataset) else 0
             prepared = super()._prepare_dataset(
@@ -253,7 +307,9 @@ class PackedSFTTrainer(PackedNormaliserMixin, SFTTrainer):
             dataset, processing_class, whole, False, formatting_func, name
         )
         unpacked = self._without_targets(unpacked, name)
-        return trl_data.pack(unpacked, args.max_length, args.packing_strategy)
+        return trl_data.pack(
+            unpacked, args.max_length, args.packing_strategy, f"{name}_dataset", type(self).__name__
+        )
 
     def _without_targets(self, prepared, name: str):
         """The prepared rows, checked for a target each (trl's truncation, an empty completion):
