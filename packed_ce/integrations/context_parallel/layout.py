@@ -64,7 +64,8 @@ class RowLayout:
             (:class:`collators.sharding.ShardRecord`).
         masks: per (window, step), built on first use: a flex-attention block mask (CUDA, long
             rows).
-        plans: per window, the blocks of each ring step (:meth:`ring_blocks`).
+        plans: what is planned on the host once per row: per window the blocks of each ring
+            step (:meth:`ring_blocks`), the mixers' chunks (``state.py``).
         spans: the row's conversations as ``(start, end)`` row indices, read on first use
             (:meth:`conversations`).
         reached: the attention modules whose attention this layout computed (a family's own
@@ -125,6 +126,22 @@ class RowLayout:
         """
         return gather_tokens(local, self.group, self.rank, self.world_size)[self.order]
 
+    def row_documents(self) -> np.ndarray:
+        """``(T,)`` the conversation of each row token, in row order, on the host (one copy per
+        row, kept with the plans).
+        """
+        if "documents" not in self.plans:
+            self.plans["documents"] = self.documents[self.order].cpu().numpy()
+        return self.plans["documents"]
+
+    def streamed_mixer(self, module, bound: dict):
+        """Mixer ``module``'s output on this rank's tokens with its state passed between the
+        ranks (``state.py``), or None where it gathers the row's inputs (``model/mixers.py``).
+        """
+        from .state import streamed_mixer
+
+        return streamed_mixer(module, bound, self)
+
     def conversations(self) -> list[tuple[int, int]]:
         """The row's conversations as ``(start, end)`` row indices (one copy to the host, once)."""
         if self.spans is None:
@@ -177,7 +194,7 @@ class RowLayout:
         """
         if window in self.plans:
             return self.plans[window]
-        documents = self.documents[self.order].cpu().numpy()  # (T,) row order, one copy
+        documents = self.row_documents()
         chunks = np.asarray(self.chunks, dtype=np.int64)  # (W, m)
         size = documents.size // chunks.size  # C
         first, last = documents[::size], documents[size - 1 :: size]  # per chunk of the row
