@@ -141,7 +141,10 @@ def mixer_plan(layout: RowLayout, reach: int) -> MixerPlan | None:
         goes_on = bool(chunk + 1 < chunks.size and continued[chunk + 1])
         plans.append(
             ChunkPlan(
-                segments, bool(continued[chunk]), continued[chunk] and len(segments) == 1, goes_on
+                segments,
+                bool(continued[chunk]),
+                bool(continued[chunk]) and len(segments) == 1,
+                goes_on,
             )
         )
         source = destination = None
