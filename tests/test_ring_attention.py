@@ -8,7 +8,9 @@ causal, within the window, softcapped scores, a sink logit in the softmax, group
 - the blocks of every step (dense, and flex attention's per-step route with its recomputing
   backward) folded rank by rank in one process: the row's output and every gradient;
 - the ring itself on 2, 3 and 4 gloo processes through the registered attention function: each
-  rank's output and the gradients of its queries, keys, values and (summed) sinks.
+  rank's output and the gradients of its queries, keys, values and (summed) sinks;
+- on one GPU (``-m cuda``): the compiled flex route on a simulated ring against the gathered flex
+  call (``benchmarks/gpu_ring_attention.py``).
 
 Rows of ``W * 3`` chunks of 8 tokens dealt to the ranks in a shuffled order (any layout must
 work, not only :func:`collators.shard_batch`'s), conversations crossing chunks and ranks, one of
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import types
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -287,3 +291,21 @@ def test_ring_on_gloo_ranks_is_the_row(world, tmp_path):
     for (config, dtype), error in worst.items():
         print(f"{world} ranks, {config}, {dtype}: largest relative error {error:.1e}")
         assert error <= TOLERANCE[getattr(torch, dtype.split(".")[1])], (config, dtype, error)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", ["causal", "window-4096", "softcap-50"])
+def test_flex_steps_on_one_gpu(config):
+    """The CUDA route (flex attention per step, compiled; its backward by recomputation) on a
+    simulated ring of 4 over a row of 16,384 tokens, float32: rank 1's steps merged equal the
+    gathered flex call, output and every gradient (1e-4 of the largest entry); the registered
+    attention function on a one-rank row with sinks too (benchmarks/gpu_ring_attention.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_ring_attention
+
+    result = gpu_ring_attention.run_config(16384, 4, config, torch.float32, rank=1, repeats=1)
+    assert max(result["relative_errors"].values()) <= 1e-4, result["relative_errors"]
+    if config == "causal":
+        errors = gpu_ring_attention.ring_of_one(16384, torch.float32)["relative_errors"]
+        assert max(errors.values()) <= 1e-4, errors
