@@ -277,8 +277,8 @@ def test_groups_of_four_and_eight_and_data_parallel_groups(tmp_path, world, cp_s
     """Context parallelism over 4 and 8 gloo processes, and on 4 two groups of 2 each sharing its
     own row (context x data parallelism): every rank's share summed over the world equals one
     process on every group's row with the step's normaliser, loss and gradients (1e-5), with and
-    without a sliding window."""
-    setups = ["llama-logits", "mistral"]
+    without a sliding window, with Gemma 2's softcap."""
+    setups = ["llama-logits", "mistral", "gemma2"]
     mp.spawn(_groups_worker, args=(rendezvous(tmp_path), str(tmp_path), world, cp_sizes, setups), nprocs=world, join=True)
     for cp_size in cp_sizes:
         rows = [packed_batch(seed=7 + g) for g in range(world // cp_size)]
@@ -467,18 +467,14 @@ def test_checkpointing_with_two_forwards_before_the_backward(tmp_path):
 
 
 def test_gradient_reaches_the_collective_contiguous(one_rank_group):
-    """The keys' and values' gradients come back to the gather as permuted views of
-    ``(1, H, T, D)``; the one buffer handed to the collective is contiguous (NCCL's reduce-scatter
-    splits raw memory: a buffer keeping a view's strides mixed the ranks' gradients), and the
-    gradients pass through it unchanged."""
-    from packed_ce.integrations.context_parallel.attention import gather_row
-    from packed_ce.integrations.context_parallel.layout import RowLayout
+    """The gather of the mixers' inputs (``gather.py``) gets its gradient back as a permuted view
+    of ``(1, H, T, D)``; the one buffer handed to the collective is contiguous (NCCL's
+    reduce-scatter splits raw memory: a buffer keeping a view's strides mixed the ranks'
+    gradients), and the gradient passes through it unchanged."""
+    from packed_ce.integrations.context_parallel.gather import gather_tokens
 
-    rows = torch.tensor([3, 4, 5, 0, 1, 2])  # the row token of each entry of the gather
-    zeros = torch.zeros(6, dtype=torch.int64)
-    layout = RowLayout(None, 0, 1, rows, zeros, rows, zeros, torch.argsort(rows))
-    leaves = [torch.randn(1, 6, 2, 4, requires_grad=True) for _ in range(2)]  # (1, L, H, D), as projected
-    upstream = [torch.randn(1, 2, 6, 4) for _ in range(2)]
+    leaf = torch.randn(6, 2, 4, requires_grad=True)  # (L, H, D), token-major
+    upstream = torch.randn(1, 2, 6, 4)  # (1, H, T, D), as an attention layout reads it
     contiguous = []
     all_reduce = dist.all_reduce
 
@@ -487,38 +483,10 @@ def test_gradient_reaches_the_collective_contiguous(one_rank_group):
         return all_reduce(tensor, *args, **kwargs)
 
     with mock.patch.object(dist, "all_reduce", spy):
-        gathered = gather_row(*(leaf.transpose(1, 2) for leaf in leaves), layout)  # (1, H, T, D) each
-        sum((row * up).sum() for row, up in zip(gathered, upstream)).backward()
-    assert contiguous == [True]  # one collective for keys and values
-    for leaf, row, up in zip(leaves, gathered, upstream):
-        torch.testing.assert_close(leaf.grad, up.transpose(1, 2), rtol=0, atol=0)
-        torch.testing.assert_close(row, leaf.transpose(1, 2), rtol=0, atol=0)
-
-
-def test_flex_route_computes_what_the_dense_route_does():
-    """The long-row route (flex attention with a block mask, its score_mod softcap and the sinks
-    from its logsumexp), run eagerly on CPU in float64, equals the dense route on the same row
-    (forward; the backward of flex attention runs on GPUs only, in the cuda tests)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    from packed_ce.integrations.context_parallel import attention
-    from packed_ce.integrations.context_parallel.layout import RowLayout
-
-    gen = torch.Generator().manual_seed(0)
-    queries, total, heads, groups, dim = 64, 128, 2, 2, 16
-    # keys in gather order (rank 1's chunks first), conversations of 40, 30, 50 and 8 tokens
-    rows = torch.cat([torch.arange(32, 96), torch.arange(32), torch.arange(96, 128)])
-    documents = torch.repeat_interleave(torch.arange(4), torch.tensor([40, 30, 50, 8]))[rows]
-    layout = RowLayout(None, 1, 2, rows, documents, rows[64:], documents[64:], torch.argsort(rows))
-    q = torch.randn(1, heads * groups, queries, dim, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(1, heads, total, dim, generator=gen, dtype=torch.float64) for _ in range(2))
-    sinks = torch.randn(heads * groups, generator=gen, dtype=torch.float64)
-    with mock.patch.object(attention, "_compiled_flex_attention", flex_attention):
-        for window, softcap, sink in ((None, None, None), (WINDOW, 5.0, sinks)):
-            block_mask = create_block_mask(layout.mask_mod(window), None, None, queries, total, device="cpu", BLOCK_SIZE=16)
-            dense = attention._dense(q, k, v, layout.mask(window, q.device), 0.3, softcap, sink)
-            flex = attention._flex(q, k, v, block_mask, 0.3, softcap, sink)
-            torch.testing.assert_close(flex, dense, rtol=1e-12, atol=1e-12)
+        gathered = gather_tokens(leaf, None, 0, 1).transpose(0, 1)[None]  # (1, H, T, D)
+        (gathered * upstream).sum().backward()
+    assert contiguous == [True]
+    torch.testing.assert_close(leaf.grad, upstream[0].transpose(0, 1), rtol=0, atol=0)
 
 
 def test_refusals_without_a_process_group():

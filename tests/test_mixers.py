@@ -7,7 +7,8 @@ case's loss and every parameter gradient must be every conversation alone (``one
 float32. The batch formats are the ones users bring: ``PackedCollator``'s (``cu_seqlens`` and the
 varlen keywords), ``position_ids`` only (transformers' ``DataCollatorWithFlattening``), trl's
 padding-free batch (``seq_idx`` too), and two packed rows in one batch. Under context parallelism
-two and three gloo ranks' shares add up to one process's, each rank's mixers gathering the row.
+two and three gloo ranks' shares add up to one process's (Qwen3.5's gated delta net passing its
+state between the ranks, context_parallel/state.py; the other mixers gathering the row).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class ContextParallel:
         record = kwargs.get(SHARD)
         kwargs = {key: value for key, value in kwargs.items() if key != SHARD}
         world = self.world_size
-        if world == 1:
+        if self.previous_attention is None:  # one rank: the model's own attention
             if record is not None and (record.world_size, record.rank) != (1, 0):
                 raise ValueError(
                     f"the shard was cut for rank {record.rank} of {record.world_size}, but this "
@@ -196,13 +196,22 @@ def enable_context_parallel(model: nn.Module, group=None) -> nn.Module:
         raise ValueError(reason)
     state = ContextParallel(group, dist.get_rank(group), dist.get_world_size(group))
     if state.world_size > 1:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(ATTENTION_NAME, attention)  # stateless: once per process
-        state.previous_attention = target.config._attn_implementation
-        target.set_attn_implementation(ATTENTION_NAME)
+        stream_attention(target, state)
     setattr(target, CONTEXT_PARALLEL, state)
     return model
+
+
+def stream_attention(target: nn.Module, state: ContextParallel) -> None:
+    """Gives ``target`` (the base model) the context-parallel attention, its own restored by
+    :func:`disable_context_parallel`. :func:`enable_context_parallel` does it for two ranks or
+    more; ``benchmarks/bench_context_parallel_memory.py`` for one rank too (the streamed path
+    through a ring of one, against which the ranks' memory is measured).
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, attention)  # stateless: once per process
+    state.previous_attention = target.config._attn_implementation
+    target.set_attn_implementation(ATTENTION_NAME)
 
 
 def disable_context_parallel(model: nn.Module) -> nn.Module:

@@ -1,4 +1,5 @@
-"""The one collective of a context-parallel layer: every rank's tokens, rank-major.
+"""The row's tokens gathered from every rank, rank-major: what a hybrid mixer that cannot pass its
+state (``state.py``) reads.
 
 Forward: one all-gather of the ranks' ``(L, ...)`` tokens into ``(W L, ...)`` (the row layout,
 ``layout.py``, maps each entry to its row token). Backward: one reduce-scatter, every

@@ -254,6 +254,9 @@ class PerConversation:
         """Context parallelism: the row's per-token inputs from every rank, each conversation
         alone, this rank's tokens of the output.
         """
+        streamed = layout.streamed_mixer(self.module, bound)  # the state passed, where it can be
+        if streamed is not None:
+            return streamed
         local = hidden.shape[1]
         row = {}
         for key, value in bound.items():

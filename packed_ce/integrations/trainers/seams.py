@@ -207,7 +207,7 @@ GLOBAL_STATE = (
         "only while context parallelism is enabled on it",
     ),
     (
-        "context_parallel.attention._compiled_flex_attention",
+        "context_parallel.blocks._compiled_flex_attention",
         "flex_attention compiled on the first long row",
         "compiling costs seconds, and transformers keeps its own compiled copy the same way",
     ),

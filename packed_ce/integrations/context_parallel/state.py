@@ -1,0 +1,471 @@
+"""Hybrid mixers under context parallelism: each chunk's state handed on, not the row gathered.
+
+A recurrent mixer reads the row before each token only through its state: a short convolution
+through its last ``K - 1`` inputs, a gated delta rule through its ``(dk, dv)`` matrix per head.
+A rank that holds chunk ``c`` of a conversation begun in an earlier chunk needs those of chunk
+``c - 1`` (held by another rank, or by itself), nothing else:
+
+- the convolution: every chunk's last ``K - 1`` inputs go to the owner of the next chunk, in one
+  exchange (the ones of another conversation zeroed: that conversation's padding);
+- the rule: its state after a chunk is affine in its state before,
+  ``S_out = M S_in + B``, and the chunk's outputs are ``O = O_0 + U S_in``. One call of the
+  family's own rule gives ``O_0``, ``U``, ``M`` and ``B`` at once: the values padded with ``dk``
+  zero columns and the initial state ``[0 | I]`` (``dk x (dv + dk)``) carry ``S_0`` and the
+  transition side by side (the rule is linear in its initial state). The states then pass along
+  the row in order (:class:`_StateChain`, small messages, the only sequential part), and each
+  chunk's outputs are corrected by its ``S_in``.
+
+The backward goes the same ways back: the halos' gradients to the chunks they came from, the
+states' gradients along the row in reverse (``g_in = dS_in + M^T g_out``, ``dM = g_out S_in^T``,
+``dB = g_out``), everything else through autograd on this rank's tokens. Nothing a rank holds
+grows with the row.
+
+Done for the gated delta nets of the Qwen3.5 layout (:data:`GATED_DELTA_NETS`: separate
+``in_proj_qkv``/``z``/``b``/``a`` projections, a depthwise ``conv1d``, the family's
+``torch_chunk_gated_delta_rule``), written against their transformers forward and checked
+against it on the first call of each row (:func:`_agrees_with_own_forward`); every other mixer,
+and rows cut into chunks shorter than the convolution's reach, gather the row's inputs
+(``model/mixers.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .layout import RowLayout
+
+GATED_DELTA_NETS = (
+    "Qwen3_5GatedDeltaNet",
+    "Qwen3_5MoeGatedDeltaNet",
+    "Qwen4ExpTextGatedDeltaNet",
+    "LaraMiniGatedDeltaNet",
+)
+# What the forward below reads of such a module (a module without one of them gathers).
+_PARTS = (
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "conv1d",
+    "A_log",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "activation",
+    "head_k_dim",
+    "head_v_dim",
+    "num_v_heads",
+    "key_dim",
+    "value_dim",
+)
+# Arguments of the forward that the one below does not read (the others, boundary keywords and
+# what the decoder passes on, it ignores: the row layout says where conversations start).
+_READ = ("cache", "cache_params", "past_key_values", "attention_mask")
+# The first call's check: our forward and the module's own on a few tokens of noise, within this
+# many units in the last place of the dtype (and at least this relative error) times the output's
+# scale: room for the installed kernels' rounding (flash-linear-attention, causal_conv1d), where a
+# formula that differed would be off by the output's own size.
+_PROBE_TOKENS, _PROBE_ULPS, _PROBE_RTOL = 12, 64, 1e-4
+
+
+class ChunkPlan(NamedTuple):
+    """One chunk of this rank, as the mixers see it.
+
+    Attributes:
+        segments: ``(start, end)`` local token ranges of its conversation pieces, in order.
+        continued: its first segment continues the conversation of the row token before it.
+        carries: it is one segment, continued: its state out depends on its state in.
+        continues: its last conversation goes on in the next row chunk.
+    """
+
+    segments: list
+    continued: bool
+    carries: bool
+    continues: bool
+
+
+class MixerPlan(NamedTuple):
+    """Who sends which chunk's halo and state to whom (global ranks), and this rank's chunks.
+
+    Attributes:
+        chunks: a :class:`ChunkPlan` per local chunk, in local order.
+        sends: ``(local chunk, rank)`` whose tail and state go to the next chunk's owner.
+        receives: ``(local chunk, rank)`` whose halo and state come from the previous chunk's.
+        local_links: ``(local chunk, local chunk)``: the next chunk is this rank's own.
+        order: the local chunks in row order, each with the rank (or None) its state comes from
+            and goes to.
+    """
+
+    chunks: list
+    sends: list
+    receives: list
+    local_links: list
+    order: list
+
+
+def mixer_plan(layout: RowLayout, reach: int) -> MixerPlan | None:
+    """The row's chunks as this rank's mixers pass them on (module docstring), or None when a
+    chunk is shorter than ``reach`` (the convolution's ``K - 1``): its halo would span chunks.
+    Planned on the host once per row.
+    """
+    key = ("state", reach)
+    if key in layout.plans:
+        return layout.plans[key]
+    documents = layout.row_documents()
+    chunks = np.asarray(layout.chunks, dtype=np.int64)  # (W, m)
+    size = documents.size // chunks.size
+    if size < reach:
+        layout.plans[key] = None
+        return None
+    owner = np.empty(chunks.size, dtype=np.int64)
+    local_index = np.empty(chunks.size, dtype=np.int64)
+    for rank, held in enumerate(chunks):
+        owner[held], local_index[held] = rank, np.arange(held.size)
+    global_rank = _global_ranks(layout)
+    continued = np.zeros(chunks.size, dtype=bool)
+    continued[1:] = documents[size::size] == documents[size - 1 : -1 : size]
+    plans, sends, receives, local_links, order = [], [], [], [], []
+    for j, chunk in enumerate(chunks[layout.rank]):
+        pieces = documents[chunk * size : (chunk + 1) * size]
+        cuts = [0, *(np.flatnonzero(pieces[1:] != pieces[:-1]) + 1).tolist(), size]
+        segments = [(j * size + a, j * size + b) for a, b in zip(cuts[:-1], cuts[1:])]
+        goes_on = bool(chunk + 1 < chunks.size and continued[chunk + 1])
+        plans.append(
+            ChunkPlan(
+                segments,
+                bool(continued[chunk]),
+                bool(continued[chunk]) and len(segments) == 1,
+                goes_on,
+            )
+        )
+        source = destination = None
+        if continued[chunk] and owner[chunk - 1] != layout.rank:
+            source = global_rank[owner[chunk - 1]]
+            receives.append((j, source))
+        if goes_on and owner[chunk + 1] != layout.rank:
+            destination = global_rank[owner[chunk + 1]]
+            sends.append((j, destination))
+        elif goes_on:
+            local_links.append((j, int(local_index[chunk + 1])))
+        order.append((j, source, destination))
+    plan = MixerPlan(plans, sends, receives, local_links, order)
+    layout.plans[key] = plan
+    return plan
+
+
+def _global_ranks(layout: RowLayout) -> list[int]:
+    group = dist.group.WORLD if layout.group is None else layout.group
+    return [dist.get_global_rank(group, rank) for rank in range(layout.world_size)]
+
+
+class _Halos(torch.autograd.Function):
+    """Each local chunk's halo: the previous row chunk's last ``K - 1`` convolution inputs.
+
+    Forward: ``tails`` ``(m, K - 1, Cd)`` (each local chunk's last inputs, another conversation's
+    already zeroed) -> ``halos`` ``(m, K - 1, Cd)`` (zeros for a chunk not continued). Backward:
+    each halo's gradient back to the tail it came from. One batch of sends and receives each way.
+    """
+
+    @staticmethod
+    def forward(ctx, tails, plan: MixerPlan, group):
+        ctx.plan, ctx.group = plan, group
+        halos = torch.zeros_like(tails)
+        for j, k in plan.local_links:
+            halos[k] = tails[j]
+        _exchange(
+            [(tails[j].contiguous(), rank) for j, rank in plan.sends],
+            [(halos[j], rank) for j, rank in plan.receives],
+            group,
+        )
+        return halos
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_halos):
+        plan = ctx.plan
+        grad_tails = torch.zeros_like(grad_halos)
+        for j, k in plan.local_links:
+            grad_tails[j] += grad_halos[k]
+        received = [torch.empty_like(grad_halos[0]) for _ in plan.sends]
+        _exchange(
+            [(grad_halos[j].contiguous(), rank) for j, rank in plan.receives],
+            list(zip(received, (rank for _, rank in plan.sends))),
+            ctx.group,
+        )
+        for (j, _), grad in zip(plan.sends, received):
+            grad_tails[j] += grad
+        return grad_tails, None, None
+
+
+def _exchange(sends: list, receives: list, group) -> None:
+    """Posts every send and receive ``(tensor, global rank)`` at once and waits for them. Two
+    ranks post their messages to each other in row order, so they match in order.
+    """
+    ops = [dist.P2POp(dist.isend, tensor, rank, group) for tensor, rank in sends]
+    ops += [dist.P2POp(dist.irecv, tensor, rank, group) for tensor, rank in receives]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _StateChain(torch.autograd.Function):
+    """Each local chunk's state in, from the row's chunks' affine steps in row order.
+
+    Forward: ``transitions`` ``(m, Hv, dk, dk)`` (``M``, zero where a chunk does not carry),
+    ``offsets`` ``(m, Hv, dk, dv)`` (``B``) -> ``states`` ``(m, Hv, dk, dv)`` (``S_in``, zero for
+    a chunk not continued). Each rank walks its chunks in row order, receiving a state where the
+    chunk before is another rank's and sending its state out where the next one is.
+
+    ``halos`` (the :class:`_Halos` output) and ``anchor`` (a 0-d zero that requires a gradient
+    wherever the mixer does) are inputs for the backward's sake only: every rank must run this
+    backward (it relays the others' gradients, even on a rank whose own chunks pass no state and
+    whose ``transitions`` and ``offsets`` need no gradient), and before the halos', never after,
+    or two ranks' messages would pair up crosswise.
+    """
+
+    @staticmethod
+    def forward(ctx, transitions, offsets, halos, anchor, plan: MixerPlan, group):
+        ctx.plan, ctx.group = plan, group
+        states = torch.zeros_like(offsets)
+        outgoing = {}  # local chunk -> its state out, for a local next chunk
+        next_local = dict(plan.local_links)
+        works = []
+        for j, source, destination in plan.order:
+            chunk = plan.chunks[j]
+            if source is not None:
+                dist.recv(states[j], source, group)
+            elif chunk.continued:
+                states[j] = outgoing.pop(j)
+            if not chunk.continues:
+                continue
+            state_out = offsets[j] + (transitions[j] @ states[j] if chunk.carries else 0)
+            if destination is not None:
+                state_out = state_out.contiguous()  # kept alive (in works) until sent
+                works.append((dist.isend(state_out, destination, group), state_out))
+            else:
+                outgoing[next_local[j]] = state_out
+        for work, _ in works:
+            work.wait()
+        ctx.save_for_backward(transitions, states)
+        return states
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_states):
+        transitions, states = ctx.saved_tensors
+        plan, group = ctx.plan, ctx.group
+        grad_transitions = torch.zeros_like(transitions)
+        grad_offsets = torch.zeros_like(grad_states)
+        incoming = {}  # local chunk -> the gradient of its state in, for a local chunk before
+        next_local = dict(plan.local_links)
+        works = []
+        for j, source, destination in reversed(plan.order):
+            chunk = plan.chunks[j]
+            if chunk.continues:  # the gradient of its state out comes from the next chunk
+                grad_out = torch.empty_like(grad_offsets[j])
+                if destination is not None:
+                    dist.recv(grad_out, destination, group)
+                else:
+                    grad_out = incoming.pop(next_local[j])
+                grad_offsets[j] = grad_out
+                grad_in = grad_states[j]
+                if chunk.carries:
+                    grad_transitions[j] = grad_out @ states[j].transpose(-1, -2)
+                    grad_in = grad_in + transitions[j].transpose(-1, -2) @ grad_out
+            else:
+                grad_in = grad_states[j]
+            if not chunk.continued:
+                continue
+            if source is not None:
+                grad_in = grad_in.contiguous()
+                works.append((dist.isend(grad_in, source, group), grad_in))
+            else:
+                incoming[j] = grad_in
+        for work, _ in works:
+            work.wait()
+        return grad_transitions, grad_offsets, None, None, None, None
+
+
+def streamed_mixer(module: nn.Module, bound: dict, layout: RowLayout):
+    """The output of mixer ``module`` called with arguments ``bound`` on this rank's tokens, its
+    state passed between the ranks (module docstring); None where it gathers instead.
+    """
+    if (
+        type(module).__name__ not in GATED_DELTA_NETS
+        or any(not hasattr(module, part) for part in _PARTS)
+        or _rule(module) is None
+    ):
+        return None
+    hidden = bound.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or any(bound.get(name) is not None for name in _READ):
+        return None  # a cache or a padding mask: the gathered route reads them
+    plan = mixer_plan(layout, module.conv1d.kernel_size[0] - 1)
+    if plan is None or not _agrees_with_own_forward(module, layout):
+        return None
+    return _gated_delta_net(module, hidden, layout, plan)
+
+
+def _agrees_with_own_forward(module: nn.Module, layout: RowLayout) -> bool:
+    """Whether :func:`_gated_delta_net` computes what ``module``'s own forward does, on a few
+    tokens of noise; decided once per row and class, the same on every rank (one all-reduce).
+    """
+    key = ("agrees", type(module))
+    if key not in layout.plans:
+        weight = module.out_proj.weight
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        hidden = torch.randn(
+            (1, _PROBE_TOKENS, module.in_proj_qkv.in_features),
+            generator=generator,
+            device=weight.device,
+        ).to(weight.dtype)
+        with torch.no_grad():
+            own = type(module).forward(module, hidden)
+            ours = _gated_delta_net(module, hidden, None, None)
+        relative = max(_PROBE_ULPS * torch.finfo(own.dtype).eps, _PROBE_RTOL)
+        tolerance = relative * own.abs().max().float()
+        agrees = torch.tensor(
+            int(bool((ours.float() - own.float()).abs().max() <= tolerance)), device=weight.device
+        )
+        dist.all_reduce(agrees, op=dist.ReduceOp.MIN, group=layout.group)
+        layout.plans[key] = bool(agrees.item())
+        if not layout.plans[key]:
+            warnings.warn(
+                f"{type(module).__name__}'s forward is not the one context parallelism passes the "
+                "state of (packed_ce/integrations/context_parallel/state.py): its layers gather "
+                "the row's inputs instead (exact, memory of the whole row)",
+                stacklevel=2,
+            )
+    return layout.plans[key]
+
+
+def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
+    """A Qwen3.5-layout gated delta net's forward on ``hidden`` ``(1, L, H)``: with ``plan``,
+    this rank's chunks of the row (halos and states from the other ranks); without, ``hidden``
+    as one conversation (the check against the module's own forward).
+    """
+    length = hidden.shape[1]
+    key_dim, value_dim = module.key_dim, module.value_dim
+    dk, dv = module.head_k_dim, module.head_v_dim
+    reach = module.conv1d.kernel_size[0] - 1
+    mixed = module.in_proj_qkv(hidden)[0]  # (L, Cd)
+    z = module.in_proj_z(hidden).reshape(1, length, -1, dv)
+    beta = module.in_proj_b(hidden).sigmoid()  # (1, L, Hv)
+    # as the family computes it: float32, so that exp(A_log) cannot overflow in half precision
+    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias)
+    if plan is None:
+        chunks, halos = [ChunkPlan([(0, length)], False, False, False)], None
+    else:
+        chunks = plan.chunks
+        size = length // len(chunks)
+        tails = mixed.view(len(chunks), size, -1)[:, size - reach :]  # (m, K - 1, Cd)
+        tails = tails * _same_conversation(layout, plan, size, reach)[..., None]
+        halos = _Halos.apply(tails, plan, layout.group)
+    rule = _rule(module)
+    heads = module.num_v_heads
+    state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the rule's, at least
+    outputs, corrections, transitions, offsets = [], [], [], []
+    for j, chunk in enumerate(chunks):
+        transition = offset = None
+        for index, (start, end) in enumerate(chunk.segments):
+            inputs = mixed[start:end]
+            continued = chunk.continued and index == 0
+            if continued:  # the convolution reads the previous chunk's last inputs first
+                inputs = torch.cat((halos[j], inputs))
+            convolved = _convolve(module, inputs)[-(end - start) :]
+            query, key, value = torch.split(convolved, [key_dim, key_dim, value_dim], dim=-1)
+            query, key = query.reshape(1, end - start, -1, dk), key.reshape(1, end - start, -1, dk)
+            value = value.reshape(1, end - start, -1, dv)
+            last = index == len(chunk.segments) - 1 and chunk.continues
+            initial = None
+            if continued:  # (module docstring) [V | 0] from [0 | I]: O_0 and U, B and M
+                value = torch.cat((value, value.new_zeros(value.shape[:-1] + (dk,))), -1)
+                identity = torch.eye(dk, device=hidden.device).expand(1, heads, dk, dk)
+                initial = torch.cat((identity.new_zeros(1, heads, dk, dv), identity), -1)
+            out, final = rule(
+                query,
+                key,
+                value,
+                g=g[:, start:end],
+                beta=beta[:, start:end],
+                initial_state=initial,
+                output_final_state=last,
+                use_qk_l2norm_in_kernel=True,
+            )
+            if continued:
+                corrections.append((len(outputs), j, out[..., dv:]))
+                out = out[..., :dv]
+            if last:
+                offset = final[0, ..., :dv].to(state_dtype)
+                transition = final[0, ..., dv:].to(state_dtype) if chunk.carries else None
+            outputs.append(out)
+        if plan is not None:
+            zeros = g.new_zeros((heads, dk, dk + dv), dtype=state_dtype)
+            transitions.append(transition if transition is not None else zeros[..., :dk])
+            offsets.append(offset if offset is not None else zeros[..., dk:])
+    if plan is not None:  # every rank walks the chain: its chunks may pass a state on
+        # the same on every rank: the model's parameters and the layer's input alike
+        training = torch.is_grad_enabled() and (
+            hidden.requires_grad or any(p.requires_grad for p in module.parameters())
+        )
+        anchor = torch.zeros((), device=hidden.device, requires_grad=training)
+        states = _StateChain.apply(
+            torch.stack(transitions), torch.stack(offsets), halos, anchor, plan, layout.group
+        )
+        for position, j, reads in corrections:  # O = O_0 + U S_in
+            correction = torch.einsum("blhk,hkv->blhv", reads.to(state_dtype), states[j])
+            outputs[position] = (outputs[position] + correction).to(outputs[position].dtype)
+        # the chain's backward runs on every rank, one whose chunks read no state included
+        # (_StateChain): its states join the output with weight 0
+        outputs[0] = outputs[0] + 0 * states.sum().to(outputs[0].dtype)
+    core = torch.cat(outputs, dim=1)  # (1, L, Hv, dv)
+    core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, length, -1)
+    return module.out_proj(core)
+
+
+def _same_conversation(layout: RowLayout, plan: MixerPlan, size: int, reach: int) -> torch.Tensor:
+    """``(m, K - 1)`` 1 where a chunk's tail token is in the conversation of the row token after
+    the chunk (the halo the next chunk reads), else 0; planned on the host once per row.
+    """
+    key = ("tails", reach)
+    if key not in layout.plans:
+        documents = layout.row_documents()
+        rows = np.asarray(layout.chunks[layout.rank])[:, None] * size + np.arange(
+            size - reach, size
+        )
+        after = np.minimum((rows[:, -1] + 1), documents.size - 1)
+        keep = documents[rows] == documents[after][:, None]
+        layout.plans[key] = torch.from_numpy(keep).to(layout.queries.device)
+    return layout.plans[key]
+
+
+def _rule(module: nn.Module):
+    """The family's chunked gated delta rule (transformers' reference, or the kernel it dispatches
+    to), which takes an initial state and returns the final one; None if its module has none.
+    """
+    return getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
+
+
+def _convolve(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The family's causal depthwise convolution and activation on ``inputs`` ``(l, Cd)`` ->
+    ``(l, Cd)`` (transformers' reference ``causal_conv1d_fn``).
+    """
+    from transformers.activations import ACT2FN
+
+    weight = module.conv1d.weight  # (Cd, 1, K)
+    out = F.conv1d(
+        inputs.T[None].to(weight.dtype),
+        weight,
+        module.conv1d.bias,
+        padding=weight.shape[-1] - 1,
+        groups=weight.shape[0],
+    )[..., : inputs.shape[0]]
+    return ACT2FN[module.activation](out)[0].T.to(inputs.dtype)

@@ -1,0 +1,193 @@
+"""Gated delta nets under context parallelism pass their state between the ranks
+(``context_parallel/state.py``) instead of gathering the row's inputs: exact.
+
+- one process, a row of many chunks (the halos and the states passed from chunk to chunk on
+  one rank): the mixer's output and every gradient equal its own forward on each conversation
+  alone; chunks shorter than the convolution's reach gather instead;
+- the check of the first call: the module's own forward agrees; one that does not is warned of
+  and gathered;
+- 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention), a row of
+  conversations over up to four chunks: the shares add up to every conversation alone (float32)
+  and equal the gathered route (float64), every gated delta net having passed its state.
+
+The family's rule runs in float32 whatever the model's dtype; the float64 comparisons patch in
+the rule token by token in float64 (:func:`recurrent_rule`, for the family's module and ours
+alike). The family computes its decay ``g`` in float32 too, so the gradients reaching ``A_log``,
+``dt_bias`` and ``in_proj_a`` (and, through the latter, the inputs) carry float32 rounding: they
+are compared within 1e-6, the outputs within 1e-12.
+"""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from collators import PackedCollator, shard_batch
+from family_models import VOCAB, tiny_family_model
+from integration_utils import (
+    flat_relative_error,
+    rendezvous,
+    start_rank,
+    gradients,
+    loss_and_gradients,
+    one_at_a_time,
+    relative_error,
+    synthetic_conversations,
+)
+from packed_ce.integrations import apply_packed_loss, count_num_items, enable_context_parallel
+from packed_ce.integrations.context_parallel import state
+from packed_ce.integrations.context_parallel.layout import RowLayout
+
+LENGTHS = [9, 14, 5, 11, 23, 2, 17]
+DECAY = {"A_log", "dt_bias", "in_proj_a.weight"}  # the gated delta net's float32 decay  # 81 tokens: chunks of 21, 14 and 11 on 2, 3 and 4 ranks
+
+
+def recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                   use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule token by token, in float64: ``S <- e^g S``, then
+    ``S <- S + k (beta (v - k^T S))^T``, ``o = q^T S`` (``q``, ``k`` l2-normalised, ``q`` scaled by
+    ``dk^-1/2``), as transformers' ``torch_recurrent_gated_delta_rule`` computes it in float32."""
+    groups = value.shape[2] // key.shape[2]
+    q, k = (x.repeat_interleave(groups, dim=2).double() for x in (query, key))
+    if use_qk_l2norm_in_kernel:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * q.shape[-1] ** -0.5
+    v, g, beta = value.double(), g.double(), beta.double()
+    batch, length, heads, dk = k.shape
+    if initial_state is None:
+        initial_state = torch.zeros(batch, heads, dk, v.shape[-1], dtype=torch.float64)
+    s, outputs = initial_state.double(), []
+    for t in range(length):
+        s = s * g[:, t, :, None, None].exp()
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], s)) * beta[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], s))
+    return torch.stack(outputs, 1).to(value.dtype), s if output_final_state else None
+
+
+def float64_rule():
+    """Patches :func:`recurrent_rule` in as Qwen3.5's chunked rule (its forward's and ours)."""
+    return mock.patch("transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule", recurrent_rule)
+
+
+def mixer_of(model):
+    return model.model.layers[0].linear_attn
+
+
+def one_rank_layout(lengths: list[int], chunk: int) -> RowLayout:
+    """The layout of a row of ``lengths`` on a one-rank group, cut into chunks of ``chunk``."""
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    chunks = (tuple(range(positions.shape[1] // chunk)),)
+    return RowLayout.gather(None, 0, 1, positions, chunks)
+
+
+def test_states_passed_from_chunk_to_chunk_are_each_conversation_alone(one_rank_group):
+    """A row of 48 tokens in 6 chunks of 8 on one rank (conversations over up to three chunks,
+    one of a single token, a chunk that begins one conversation and carries another on): output
+    and gradients of the mixer's own forward on every conversation alone."""
+    lengths = [13, 1, 20, 3, 11]
+    model = tiny_family_model("qwen3_5_text", "eager").double()
+    mixer = mixer_of(model)
+    hidden = torch.randn(1, sum(lengths), model.config.hidden_size, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(0))
+    upstream = torch.randn_like(hidden)
+    with float64_rule():
+        streamed = state.streamed_mixer(mixer, {"hidden_states": hidden.requires_grad_()},
+                                        one_rank_layout(lengths, 8))
+        got = loss_and_gradients(mixer, lambda m: (streamed * upstream).sum())[1]
+        got_hidden, hidden.grad = hidden.grad, None
+        alone = torch.cat([type(mixer).forward(mixer, part) for part in hidden.split(lengths, 1)], 1)
+        expected = loss_and_gradients(mixer, lambda m: (alone * upstream).sum())[1]
+    torch.testing.assert_close(streamed, alone, rtol=1e-12, atol=1e-12)
+    assert relative_error(got_hidden, hidden.grad) <= 1e-6
+    for name, grad in expected.items():
+        assert relative_error(got[name], grad) <= (1e-6 if name in DECAY else 1e-12), name
+
+
+def test_chunks_shorter_than_the_convolution_gather(one_rank_group):
+    mixer = mixer_of(tiny_family_model("qwen3_5_text", "eager"))
+    hidden = torch.randn(1, 12, mixer.hidden_size)
+    assert state.streamed_mixer(mixer, {"hidden_states": hidden}, one_rank_layout([5, 7], 2)) is None
+    assert state.streamed_mixer(mixer, {"hidden_states": hidden}, one_rank_layout([5, 7], 3)) is not None
+
+
+def test_a_forward_that_differs_is_gathered_with_a_warning(one_rank_group):
+    mixer = mixer_of(tiny_family_model("qwen3_5_text", "eager"))
+    own = type(mixer).forward
+    assert state._agrees_with_own_forward(mixer, one_rank_layout([6], 3))
+    with mock.patch.object(type(mixer), "forward", lambda self, hidden_states, **kw: 2 * own(self, hidden_states)):
+        with pytest.warns(UserWarning, match="gather the row's inputs instead"):
+            hidden = torch.randn(1, 6, mixer.hidden_size)
+            assert state.streamed_mixer(mixer, {"hidden_states": hidden}, one_rank_layout([6], 3)) is None
+
+
+# --- on gloo ranks ---------------------------------------------------------------------------
+
+
+def conversations() -> list[dict]:
+    return synthetic_conversations(LENGTHS, VOCAB, seed=5)
+
+
+def share(rank: int, world: int, dtype, gather: bool) -> dict:
+    """This rank's loss share and gradients; ``gather``: the mixers gather the row instead."""
+    batch = PackedCollator(pad_to_multiple_of=2 * world)(conversations())
+    model = apply_packed_loss(tiny_family_model("qwen3_5_text", "eager").to(dtype), backend="torch")
+    enable_context_parallel(model)
+    streamed, original = [], state.streamed_mixer
+
+    def spy(*args):
+        streamed.append(None if gather else original(*args))
+        return streamed[-1]
+
+    with mock.patch("packed_ce.integrations.context_parallel.state.streamed_mixer", spy):
+        loss = model(**shard_batch(batch, rank, world), num_items_in_batch=count_num_items(batch)).loss
+        loss.backward()
+    assert gather or (streamed and all(out is not None for out in streamed)), "the state was not passed"
+    return {"loss": loss.detach().double(), "grads": {k: v.double() for k, v in gradients(model).items()}}
+
+
+def worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    start_rank(rank, world, store)
+    try:
+        results = {"float32": share(rank, world, torch.float32, gather=False)}
+        with float64_rule():
+            results["streamed"] = share(rank, world, torch.float64, gather=False)
+            results["gathered"] = share(rank, world, torch.float64, gather=True)
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_states_passed_between_ranks_are_exact(world, tmp_path):
+    """The shares of ``world`` ranks whose gated delta nets pass their state: float32, within
+    1e-5 of every conversation alone (loss; the gradients as one vector, as for the gathered
+    route in tests/test_mixers.py); float64, the gathered route's loss within 1e-12 and every
+    gradient within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to
+    float32; the gradients outside the gated delta net bit for bit, its own within 5e-8: the
+    float32 decay, module docstring)."""
+    mp.spawn(worker, args=(world, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
+    summed = {
+        kind: {
+            "loss": sum(r[kind]["loss"] for r in ranks),
+            "grads": {k: sum(r[kind]["grads"][k] for r in ranks) for k in ranks[0][kind]["grads"]},
+        }
+        for kind in ranks[0]
+    }
+    expected_loss, expected_grads = loss_and_gradients(
+        tiny_family_model("qwen3_5_text", "eager"), lambda m: one_at_a_time(m, conversations())
+    )
+    assert relative_error(summed["float32"]["loss"], expected_loss) <= 1e-5
+    assert flat_relative_error(summed["float32"]["grads"], expected_grads) <= 1e-5
+    streamed, gathered = summed["streamed"], summed["gathered"]
+    assert relative_error(streamed["loss"], gathered["loss"]) <= 1e-12
+    errors = {k: relative_error(streamed["grads"][k], v) for k, v in gathered["grads"].items()}
+    print(f"{world} ranks: float64 loss {relative_error(streamed['loss'], gathered['loss']):.1e}, worst gradient {max(errors.values()):.1e} "
+          f"(others than the decay's {max(e for k, e in errors.items() if 'linear_attn' not in k):.1e})")
+    assert max(errors.values()) <= 1e-6, errors
