@@ -154,6 +154,10 @@ class Plan:
     steps: int
     seconds: float  # no run or step starts after this many seconds
     tolerance: float  # the check's relative difference, packed or padded against alone
+    # bf16: packed against alone may differ at most this many times as much as the padded
+    # arrangement of the same conversations does (bf16's own rounding by another route); None:
+    # the tolerance alone (float32)
+    within_padded: float | None = None
 
 
 GPU_PLAN = Plan(
@@ -166,7 +170,8 @@ GPU_PLAN = Plan(
     warmup=2,
     steps=5,
     seconds=200.0,
-    tolerance=2e-2,  # bf16: reported, the check passes below it
+    tolerance=2e-2,  # bf16: reported; the check compares with the padded arrangement
+    within_padded=2.0,
 )
 TINY_PLAN = Plan(
     model=TINY,
@@ -452,11 +457,20 @@ def check(model, conversations, rows: dict, plan: Plan, device, clock: Clock) ->
         result[f"rel_diff_loss_{name}"] = abs(loss - expected) / abs(expected)
         result[f"rel_diff_gradients_{name}"] = _differences(grads, reference)
     del reference, found
-    worst = max(
-        max(result["rel_diff_loss_packed"], result["rel_diff_loss_padded"]),
-        result["rel_diff_gradients_packed"]["all"],
-    )
-    result["passed"] = worst < plan.tolerance
+    if plan.within_padded is None:
+        worst = max(
+            max(result["rel_diff_loss_packed"], result["rel_diff_loss_padded"]),
+            result["rel_diff_gradients_packed"]["all"],
+        )
+        result["passed"] = worst < plan.tolerance
+    else:  # bf16 rounds a row and each conversation alone differently: as much as padded does
+        bound = plan.within_padded
+        result["within_padded"] = bound
+        result["passed"] = (
+            result["rel_diff_loss_packed"] <= bound * result["rel_diff_loss_padded"] + 1e-4
+            and result["rel_diff_gradients_packed"]["all"]
+            <= bound * result["rel_diff_gradients_padded"]["all"]
+        )
     clock.log(
         f"check: loss {result['rel_diff_loss_packed']:.1e} (padded "
         f"{result['rel_diff_loss_padded']:.1e}), gradients "

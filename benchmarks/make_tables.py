@@ -758,10 +758,12 @@ def load_trl_results(results_dir: Path, benchmark: str) -> list[dict]:
         device = result["environment"]["device_name"]
         adapter = result.get("adapter", "full")
         order = bool(result.get("reverse"))  # a run in both orders: both are kept
-        key = (device, tuple(result["models"]), adapter, order, result["attention"], runs)
+        # the kernels a hybrid family's token mixers ran on (none recorded: transformers' PyTorch)
+        fla = result["environment"].get("versions", {}).get("fla-core")
+        key = (device, tuple(result["models"]), adapter, order, result["attention"], runs, fla)
         if key not in newest or result["created"] > newest[key]["created"]:
             newest[key] = result
-    return [newest[key] for key in sorted(newest)]
+    return [newest[key] for key in sorted(newest, key=str)]
 
 
 def load_results(
@@ -792,6 +794,8 @@ def readme_section(results_dir: Path = RESULTS_DIR) -> str:
         adapter = result.get("adapter", "full")
         what = "" if adapter == "full" else f", {ADAPTER_HEADINGS[adapter]}"
         what += ", in reverse order" if result.get("reverse") else ""
+        fla = result["environment"].get("versions", {}).get("fla-core")
+        what += f", token mixers through fla-core {fla}" if fla else ""
         parts.append(f"### Whole trl steps{what}, {result['environment']['device_name']}")
         parts.append(trl_steps_report(result))
     longest: dict[str, list[dict]] = {}
