@@ -9,6 +9,8 @@ builds a tiny model of the family that matches the processor.
 
 from __future__ import annotations
 
+from .checks import positive_int
+
 # The chat template of the default processors: ChatML, a message's content a string or a list of
 # text and image parts, one placeholder per image part (written for this package; no generation
 # markers, like the Qwen-VL templates, so the assistant turns are found by rendering).
@@ -197,6 +199,7 @@ def load_default_image_dataset(num_conversations: int = 64, *, seed: int = 0):
     import datasets
     import numpy as np
 
+    positive_int(num_conversations, "num_conversations")
     rng = np.random.default_rng(seed)
     colours, rows = list(_COLOURS), {"messages": [], "images": [], "source": []}
     for index in range(num_conversations):

@@ -30,6 +30,17 @@ def is_processor(processing_class) -> bool:
     return isinstance(processing_class, ProcessorMixin)
 
 
+def check_processor(processor, name: str = "processor") -> None:
+    """TypeError naming ``name`` unless ``processor`` is a transformers processor."""
+    if not is_processor(processor):
+        raise TypeError(
+            f"`{name}` must be the model's transformers processor (AutoProcessor), which expands "
+            f"the image placeholders, got {type(processor).__name__}: load it with "
+            "AutoProcessor.from_pretrained(...), or tokenize text with a tokenizer through "
+            "collators.tokenize_conversation and collate it with PackedCollator."
+        )
+
+
 def vision_rows(dataset, messages_column: str):
     """A data set ready for ``tokenize_dataset`` with a processor.
 
@@ -163,6 +174,7 @@ def tokenize_images(
     """:func:`tokenize_vision_conversation`, its images as given (unopened); ``name`` names the
     conversation in errors.
     """
+    check_processor(processor)
     if max_length is not None:
         positive_int(max_length, "max_length")
     messages, given = with_images(messages, list(images or []), name)

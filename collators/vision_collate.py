@@ -10,6 +10,7 @@ from packed_ce.columns import ATTENTION_MASK, IGNORE_INDEX, IMAGES, INPUT_IDS
 
 from .collate import PackedCollator, PaddedCollator
 from .images import open_image
+from .vision import check_processor
 
 
 class VisionCollator:
@@ -64,6 +65,7 @@ class VisionCollator:
         ignore_index: int = IGNORE_INDEX,
         return_varlen_kwargs: bool = True,
     ):
+        check_processor(processor)
         self.processor = processor
         if pad_token_id is None:
             pad_token_id = processor.tokenizer.pad_token_id or 0

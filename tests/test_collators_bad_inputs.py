@@ -20,6 +20,9 @@ from collators import (
     PackedCollator,
     PackedIterableDataset,
     PaddedCollator,
+    VisionCollator,
+    load_default_image_dataset,
+    load_default_processor,
     load_default_tokenizer,
     load_messages_dataset,
     pack_dataset,
@@ -27,6 +30,7 @@ from collators import (
     shard_batch,
     tokenize_conversation,
     tokenize_dataset,
+    tokenize_vision_conversation,
 )
 
 IGNORE = -100
@@ -332,6 +336,27 @@ TABLE = [
      (TypeError, "`vocab_size` must be an int, got str")),
     ("load_messages_dataset missing file", lambda tok: load_messages_dataset("no/such/chats.jsonl"),
      (FileNotFoundError, "`name_or_path` 'no/such/chats.jsonl': no such file or folder")),
+    # vision-language conversations: the processor and the offline defaults
+    ("tokenize_vision_conversation tokenizer", lambda tok: tokenize_vision_conversation(tok, CHAT),
+     (TypeError, "`processor` must be the model's transformers processor")),
+    ("tokenize_vision_conversation max_length=0",
+     lambda tok: tokenize_vision_conversation(load_default_processor(), CHAT, max_length=0),
+     (ValueError, "`max_length` must be an int >= 1")),
+    ("tokenize_vision_conversation more image parts than images",
+     lambda tok: tokenize_vision_conversation(load_default_processor(), [
+         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]},
+         {"role": "assistant", "content": "ok"}], images=[]),
+     (ValueError, "`messages` has more image parts than images (0)")),
+    ("VisionCollator tokenizer", lambda tok: VisionCollator(tok),
+     (TypeError, "`processor` must be the model's transformers processor")),
+    ("VisionCollator pad_to_multiple_of=0", lambda tok: VisionCollator(load_default_processor(), pad_to_multiple_of=0),
+     (ValueError, "`pad_to_multiple_of` must be an int >= 1")),
+    ("load_default_processor unknown family", lambda tok: load_default_processor("mistral"),
+     (ValueError, "`model_type` must be one of")),
+    ("load_default_image_dataset num_conversations=-1", lambda tok: load_default_image_dataset(-1),
+     (ValueError, "`num_conversations` must be an int >= 1")),
+    ("load_default_image_dataset num_conversations=2.5", lambda tok: load_default_image_dataset(2.5),
+     (TypeError, "`num_conversations` must be an int")),
 ]
 
 
