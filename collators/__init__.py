@@ -10,7 +10,7 @@ images: ``tokenize_dataset`` / ``tokenize_vision_conversation`` with the model's
 ``load_default_image_dataset``.
 """
 
-from .chat import tokenize_conversation, tokenize_dataset
+from .chat import tokenize_conversation
 from .collate import PackedCollator, PaddedCollator
 from .data import load_default_dataset, load_default_tokenizer, load_messages_dataset
 from .packing import pack_dataset
@@ -18,6 +18,7 @@ from .planning import PackingStats
 from .processors import load_default_image_dataset, load_default_processor
 from .sharding import shard_batch
 from .streaming import PackedIterableDataset, pack_stream
+from .tokenize_data import tokenize_dataset
 from .vision import tokenize_vision_conversation
 from .vision_collate import VisionCollator
 

@@ -11,7 +11,7 @@ from collator_reference import IGNORE
 from datasets import Dataset, Value
 
 import collators
-from collators import arrow_rows, chat, pack_dataset, tokenize_dataset
+from collators import arrow_rows, pack_dataset, tokenize_data, tokenize_dataset
 
 CONVERSATIONS = {
     "input_ids": [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16]],
@@ -95,13 +95,13 @@ def test_rows_of_a_stream_are_never_reused_for_a_dataset(tmp_path):
 
 def counting_tokenizer_calls(monkeypatch) -> list:
     calls = []
-    original = chat.tokenize_conversation
+    original = tokenize_data.tokenize_conversation
 
     def counted(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(chat, "tokenize_conversation", counted)
+    monkeypatch.setattr(tokenize_data, "tokenize_conversation", counted)
     return calls
 
 

@@ -39,6 +39,7 @@ from ..model.families import EXACT_LAYER_TYPES
 from ..model.installation import CONTEXT_PARALLEL, base_model, installation_of
 from ..model.mixers import mixers_of
 from ..model.rotary import batch_dependent
+from . import state
 from .attention import ATTENTION_NAME, attention
 from .layout import RowLayout
 
@@ -88,7 +89,7 @@ class ContextParallel:
         _check_facts(_gather_facts(self, record, kwargs, options), world)
         position_ids = kwargs[POSITION_IDS]
         kwargs[ROW_LAYOUT] = RowLayout.gather(
-            self.group, self.rank, world, position_ids, record.chunks
+            self.group, self.rank, world, position_ids, record.chunks, state.streamed_mixer
         )
         if kwargs.get(LABELS) is not None:
             count = torch.as_tensor(kwargs["num_items_in_batch"], device=position_ids.device)

@@ -16,7 +16,7 @@ rule out; a whole step may have none.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -85,14 +85,23 @@ class RowLayout:
     plans: dict = field(default_factory=dict, repr=False)
     spans: list | None = field(default=None, repr=False)
     reached: set = field(default_factory=set, repr=False)
+    mixer_stream: Callable | None = field(default=None, repr=False)
 
     @classmethod
     def gather(
-        cls, group, rank: int, world_size: int, position_ids: torch.Tensor, chunks: tuple
+        cls,
+        group,
+        rank: int,
+        world_size: int,
+        position_ids: torch.Tensor,
+        chunks: tuple,
+        mixer_stream: Callable | None = None,
     ) -> RowLayout:
         """Gathers the row's ``position_ids`` (``(1, L)`` of every rank, ``L = mC``) and derives
         each token's row index and conversation. Every rank's ``L`` and ``chunks`` (``W`` tuples
         of ``m`` chunk indices, :class:`collators.sharding.ShardRecord`) are known to agree.
+        ``mixer_stream``: ``(module, bound, layout) -> output or None``, how a token mixer passes
+        its state between the ranks (``state.streamed_mixer``; None: every mixer gathers).
         """
         local = position_ids.shape[1]
         device = position_ids.device
@@ -108,7 +117,16 @@ class RowLayout:
         documents = sequence_ids(positions, None, positions)[0][rows]  # back to rank-major
         mine = slice(rank * local, (rank + 1) * local)
         return cls(
-            group, rank, world_size, rows, documents, rows[mine], documents[mine], order, chunks
+            group,
+            rank,
+            world_size,
+            rows,
+            documents,
+            rows[mine],
+            documents[mine],
+            order,
+            chunks,
+            mixer_stream=mixer_stream,
         )
 
     @property
@@ -136,11 +154,12 @@ class RowLayout:
 
     def streamed_mixer(self, module, bound: dict):
         """Mixer ``module``'s output on this rank's tokens with its state passed between the
-        ranks (``state.py``), or None where it gathers the row's inputs (``model/mixers.py``).
+        ranks (``mixer_stream``: ``state.py``'s), or None where it gathers the row's inputs
+        (``model/mixers.py``).
         """
-        from .state import streamed_mixer
-
-        return streamed_mixer(module, bound, self)
+        if self.mixer_stream is None:
+            return None
+        return self.mixer_stream(module, bound, self)
 
     def conversations(self) -> list[tuple[int, int]]:
         """The row's conversations as ``(start, end)`` row indices (one copy to the host, once)."""
