@@ -272,7 +272,7 @@ def test_tokenize_dataset_counts_skipped_conversations(caplog):
     only_user = [{"role": "user", "content": "anyone?"}]
     dataset = Dataset.from_dict({"messages": [MULTI_TURN, only_user, WITH_TOOLS[:3], only_user],
                                  "weight": [2.0, 1.0, 0.5, 3.0], "source": ["a", "b", "c", "d"], "id": [10, 11, 12, 13]})
-    with caplog.at_level("WARNING", logger="collators.chat"):
+    with caplog.at_level("WARNING", logger="collators.tokenize_data"):
         tokenized = tokenize_dataset(dataset, tokenizer)
     assert "Skipped 2 of 4 conversations" in caplog.text
     # Every other column stays beside the tokens, on the rows of the kept conversations.

@@ -82,7 +82,7 @@ def test_load_messages_dataset_from_jsonl(tmp_path):
 
 @pytest.mark.parametrize(
     "module", ["collators.chat", "collators.collate", "collators.data", "collators.packing", "collators.planning",
-               "collators.processors", "collators.sharding", "collators.streaming", "collators.vision",
+               "collators.processors", "collators.sharding", "collators.streaming", "collators.tokenize_data", "collators.vision",
                "collators.vision_collate"]
 )
 def test_docstring_examples(module, tokenizer, cache_dir, monkeypatch):

@@ -120,7 +120,7 @@ def test_a_stream_is_tokenized_as_it_is_read(caplog):
     turns[3] = [{"role": "user", "content": "no answer"}]
     data = Dataset.from_dict({"messages": turns, "weight": [1.0, 2.0, 0.5, 3.0, 1.5]})
     expected = list(tokenize_dataset(data, tokenizer))
-    with caplog.at_level("WARNING", logger="collators.chat"):
+    with caplog.at_level("WARNING", logger="collators.tokenize_data"):
         streamed = tokenize_dataset(data.to_iterable_dataset(), tokenizer)
         assert isinstance(streamed, IterableDataset)
         rows = list(streamed)
