@@ -24,10 +24,12 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import pending, records
-from .options import Boundaries, LossOptions
+from .columns import SEQUENCE_COLUMNS
+from .options import SEQUENCE_FIELDS, Boundaries, LossOptions
 from .runtime import is_tracing
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,8 +120,17 @@ TENSOR_RULES = {
     "labels": TensorRule("label"),
     "cu_seqlens": TensorRule("offset", "boundaries"),
     "position_ids": TensorRule("integer", "per_token"),
-    "seq_targets": TensorRule("integer", "per_sequence", partner="cu_seqlens"),
-    "seq_weights": TensorRule("float", "per_sequence", partner="cu_seqlens"),
+    # the per-sequence tensors (options.SEQUENCE_FIELDS), of the kind the column table gives
+    # their batch values (SEQUENCE_COLUMNS): seq_targets integer, seq_weights float
+    **{
+        column.key: TensorRule(
+            "float" if np.dtype(column.dtype).kind == "f" else "integer",
+            "per_sequence",
+            partner="cu_seqlens",
+        )
+        for column in SEQUENCE_COLUMNS
+        if column.key in SEQUENCE_FIELDS
+    },
 }
 
 
