@@ -46,7 +46,10 @@ Two measurements (one shell call each on a GPU):
   ``torch.profiler`` table of one more step after the timed ones, sorted by device time, with
   the share of packed-ce's own kernels (names containing ``_cross_entropy_kernel``,
   ``_targets`` or ``packed_ce``) in the step's device time, and the host waits of the step by
-  the file that caused them (packed_ce, trl, transformers, ...).
+  the file that caused them (packed_ce, trl, transformers, ...). ``--sample-stacks`` samples the
+  training thread's Python stack every 10 ms and reports, for each steady step slower than 1.5x
+  the median (and for the median step, to compare), the stacks it was seen in most: what the
+  host did while a step stalled (a compile, an autotune, a wait), without a profiler's overhead.
 - ``--longest``: per run and model, the longest packed row that trains ``--probe-steps`` steps
   without running out of memory, with gradient checkpointing: ``--model 1b`` fully fine-tuned,
   ``--model 8b`` (Llama-3-8B shape) with LoRA (``peft_config=LoraConfig(...)``; ``--skip-lora``
@@ -90,6 +93,7 @@ Dimensions: T tokens per row, V vocabulary, S sequences.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import hashlib
@@ -100,7 +104,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -297,6 +303,7 @@ class Job:
     lora: bool = False
     quantized: bool = False  # QLoRA's 4-bit base model (with lora)
     profile: bool = False
+    sample_stacks: bool = False
     pad_rows: bool = False  # pad every row to row_length (probes, flex attention)
 
 
@@ -458,15 +465,76 @@ def objective_check(run: str, first_loss: float, reference: dict, tolerance: flo
 # Throughput
 
 
+class StackSampler:
+    """A thread that reads every other thread's Python stack every ``interval`` seconds, each
+    sample filed under the step running then (``step()``): where the host spends a slow step.
+    Every thread, not the training one alone: the backward of a CUDA step runs its Python
+    (autograd Functions' backward, the kernels they launch) in autograd's device thread. A thread
+    idle in ``threading``'s waits (loggers, loaders) is left out."""
+
+    IDLE = ("threading.py", "queue.py", "selectors.py")
+
+    def __init__(self, step: Callable[[], int], interval: float = 0.01, depth: int = 16):
+        self.step, self.interval, self.depth = step, interval, depth
+        self.samples: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._main = threading.get_ident()  # the thread that trains: the one building this
+
+    def _run(self) -> None:
+        own = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            step = self.step()
+            for thread, frame in sys._current_frames().items():
+                if thread == own or frame.f_code.co_filename.endswith(self.IDLE):
+                    continue
+                names = [] if thread == self._main else [f"thread {thread}"]
+                while frame is not None and len(names) < self.depth:  # innermost first
+                    code = frame.f_code
+                    path = "/".join(Path(code.co_filename).parts[-2:])
+                    names.append(f"{path}:{frame.f_lineno} {code.co_name}")
+                    frame = frame.f_back
+                self.samples[step][" < ".join(names)] += 1
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self, seconds: list[float], steady: slice, top: int = 10) -> list[dict]:
+        """The steady steps slower than 1.5x their median, and the median step: each with its
+        sample count and its ``top`` most frequent stacks (innermost frame first; another
+        thread's led by its id)."""
+        steps = range(len(seconds))[steady]
+        if not steps:
+            return []
+        median = statistics.median(seconds[i] for i in steps)
+        typical = min(steps, key=lambda i: abs(seconds[i] - median))
+        chosen = [i for i in steps if seconds[i] > 1.5 * median or i == typical]
+        return [
+            {
+                "step": i,
+                "seconds": seconds[i],
+                "samples": sum(self.samples[i].values()),
+                "top": [[stack, n] for stack, n in self.samples[i].most_common(top)],
+            }
+            for i in chosen
+        ]
+
+
 class StepClock:
     """Trainer callback: an event at the start of training and at the end of every optimiser
-    step (CUDA events, read after training; the host clock off CUDA), and a profile of one step."""
+    step (CUDA events, read after training; the host clock off CUDA), a profile of one step, and
+    with ``sample_stacks`` the host's stacks during every step (:class:`StackSampler`)."""
 
-    def __init__(self, device: torch.device, profile_step: int | None):
+    def __init__(self, device: torch.device, profile_step: int | None, sample_stacks: bool = False):
         from transformers import TrainerCallback
 
         self.device, self.profile_step, self.marks, self.profiler = device, profile_step, [], None
         self.profile_wall = None
+        self.sampler = StackSampler(self.running_step) if sample_stacks else None
         # Triton kernels compiled during the run: (steps done by then, the kernel and its
         # specialisation), so that a compile in a steady step is seen and named
         self.compiles: list[tuple[int, str]] = []
@@ -475,13 +543,21 @@ class StepClock:
             import triton
 
             def compiled(*args, **kwargs):
-                clock.compiles.append((max(len(clock.marks) - 1, 0), str(kwargs.get("repr"))[:300]))
+                clock.compiles.append((clock.running_step(), str(kwargs.get("repr"))[:300]))
 
             triton.knobs.runtime.jit_post_compile_hook = compiled
         except (ImportError, AttributeError):  # a Triton without the hook: nothing recorded
             pass
 
         class Callback(TrainerCallback):  # a TrainerCallback built here: the import is lazy
+            def on_train_begin(self, args, state, control, **kwargs):
+                if clock.sampler is not None:
+                    clock.sampler.start()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if clock.sampler is not None:
+                    clock.sampler.stop()
+
             def on_step_begin(self, args, state, control, **kwargs):
                 if state.global_step == 0:
                     clock.mark()
@@ -494,6 +570,10 @@ class StepClock:
                     clock.stop_profile()
 
         self.callback = Callback()
+
+    def running_step(self) -> int:
+        """The step running now: marks[0] opens step 0, marks[i + 1] closes step i."""
+        return max(len(self.marks) - 1, 0)
 
     def mark(self) -> None:
         if self.device.type == "cuda":
@@ -631,7 +711,7 @@ def throughput_run(job: Job) -> dict:
     """One run: ``warmup + steps`` trl steps (one more, profiled, with ``job.profile``)."""
     device = torch.device(job.device)
     profile_step = job.warmup + job.steps if job.profile else None
-    clock = StepClock(device, profile_step)
+    clock = StepClock(device, profile_step, job.sample_stacks)
     if job.profile:
         job = dataclasses.replace(job, steps=job.steps + 1)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -679,6 +759,10 @@ def throughput_run(job: Job) -> dict:
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated() / harness.GiB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / harness.GiB
+    if clock.sampler is not None:
+        result["stalled_steps"] = clock.sampler.report(seconds, timed)
+    if device.type == "cuda":  # cudaMalloc retries: the allocator freed its cache and waited
+        result["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries")
     if job.profile:
         result["profile"] = profile_summary(clock.profiler, clock.profile_wall, device)
         print(result["profile"]["table"], flush=True)
@@ -1011,6 +1095,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max-steps", type=int, default=20, help="steady steps per run")
     add("--gradient-checkpointing", action="store_true", help="on in the throughput runs too")
     add("--profile", action="store_true", help="profile one more step after the steady ones")
+    add("--sample-stacks", action="store_true",
+        help="report the host's Python stacks in steady steps slower than 1.5x the median")  # fmt: skip
     add("--adapter", choices=ADAPTERS, default="full",
         help="what trains: every parameter, a LoRA adapter, or one on the model in 4 bits "
         "(default full; --longest: full, and lora at 8b)")  # fmt: skip
@@ -1066,6 +1152,7 @@ def make_jobs(args) -> list[Job]:
                     lora=lora,
                     quantized=args.adapter == "qlora",
                     profile=args.profile and not args.longest,
+                    sample_stacks=args.sample_stacks and not args.longest,
                     pad_rows=args.longest or args.attention == "flex_attention",
                 )
             )

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Hybrid families on one GPU, in two phases (one device call each, the machine kept between them):
+# Hybrid families on one GPU, in phases (one device call each, the machine kept between them):
 #
-#   bash benchmarks/gpu_hybrids.sh pytorch WHEELS OUT   # transformers' PyTorch mixers (no fla)
-#   bash benchmarks/gpu_hybrids.sh fla WHEELS OUT       # with fla (and tilelang on Hopper)
+#   bash benchmarks/gpu_hybrids.sh pytorch WHEELS OUT     # transformers' PyTorch mixers (no fla)
+#   bash benchmarks/gpu_hybrids.sh fla WHEELS OUT         # with fla (and tilelang on Hopper)
+#   bash benchmarks/gpu_hybrids.sh exactness WHEELS OUT   # fla's route against each one alone
 #
 # Each phase installs the wheels of WHEELS (pip --no-index --no-deps into this Python):
 #   pytorch: first bench_hybrids.py (packed-ce and the family's own packed row against every
 #            conversation alone) and the CUDA tests of the mixers on the PyTorch route, then the
 #            wheels (fla and what it needs but tilelang's solver, which the next call brings);
 #   fla:     the rest of the wheels, then bench_trl.py --model qwen3_5-2b packed against stock
-#            trl, bench_hybrids.py on the fla route and the CUDA tests of the mixers (the
-#            whole-row route through fla).
+#            trl (with the host's stacks of every slow step, and Triton's autotuning printed)
+#            and the CUDA tests of the mixers (the whole-row route through fla);
+#   exactness: bench_hybrids.py on the fla route (packed-ce and the family's own packed row
+#            against every conversation alone, float32 and bf16).
 # Logs go to OUT (<phase>_tests_<card>.log, <phase>_bench_<card>.log); the benchmarks write their
 # JSON lines and tables into OUT too. Every step has a time limit.
 set -u
@@ -28,12 +31,18 @@ if [ "$phase" = pytorch ]; then
     timeout 150 python3 benchmarks/bench_hybrids.py --out "$out" >"$out/pytorch_bench_$card.log" 2>&1
     timeout 200 "${pytest[@]}" tests/test_mixers.py >"$out/pytorch_tests_$card.log" 2>&1
     install
-else
+elif [ "$phase" = fla ]; then
     install
     python3 -c "import fla, tilelang; print('fla', fla.__version__, 'tilelang', tilelang.__version__)"
-    timeout 330 python3 benchmarks/bench_trl.py --model qwen3_5-2b --runs packed stock --warmup 5 \
-        --max-steps 10 --seconds 270 --out "$out" >"$out/fla_bench_$card.log" 2>&1
-    timeout 240 python3 benchmarks/bench_hybrids.py --out "$out" >>"$out/fla_bench_$card.log" 2>&1
+    TRITON_PRINT_AUTOTUNING=1 timeout 360 python3 benchmarks/bench_trl.py --model qwen3_5-2b \
+        --runs packed stock --warmup 5 --max-steps 10 --seconds 300 --sample-stacks --out "$out" \
+        >"$out/fla_bench_$card.log" 2>&1
     timeout 150 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
+elif [ "$phase" = exactness ]; then
+    install
+    timeout 500 python3 benchmarks/bench_hybrids.py --out "$out" >"$out/fla_exactness_$card.log" 2>&1
+else
+    echo "gpu_hybrids.sh: unknown phase $phase (pytorch, fla or exactness)" >&2
+    exit 2
 fi
 for log in "$out"/*_"$card".log; do tail -n 5 "$log"; done

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,30 @@ def test_flex_attention_compiles_in_two_warm_up_probes_before_the_searches(
     for found in body["searches"].values():
         assert 1024 not in [p["row_length"] for p in found["probes"]]
         assert (found["longest_fits"], found["shortest_fails"]) == (18432, 20480)
+
+
+def test_the_stack_sampler_names_what_the_host_did_in_a_slow_step(benchmarks_path):
+    import bench_trl
+
+    step = [0]
+    sampler = bench_trl.StackSampler(lambda: step[0], interval=0.001)
+
+    def stall_here():  # waits for the sampler, so that the test never depends on timing
+        while sum(sampler.samples[1].values()) < 3:
+            time.sleep(0.001)
+
+    sampler.start()
+    for step[0] in range(4):
+        if step[0] == 1:
+            stall_here()
+    step[0] = 4
+    sampler.stop()
+    # the times are given: step 1 is the slow one, step 2 the median's
+    report = sampler.report([0.5, 3.0, 0.45, 0.4], slice(1, 4))
+    assert [entry["step"] for entry in report] == [1, 2]
+    slow = report[0]
+    assert slow["seconds"] == 3.0 and slow["samples"] >= 3
+    # the training thread's stacks (other threads' are led by their id) are all in stall_here
+    training = [stack.split(" < ")[:2] for stack, _ in slow["top"] if not stack.startswith("thread")]
+    assert training and all(any("stall_here" in frame for frame in frames) for frames in training)
+    assert sampler.report([1.0], slice(1, 1)) == []
