@@ -304,6 +304,8 @@ class Job:
     quantized: bool = False  # QLoRA's 4-bit base model (with lora)
     profile: bool = False
     sample_stacks: bool = False
+    profile_steps: bool = False
+    cudnn_attention: bool = True  # False: sdpa may not pick its cuDNN kernels
     pad_rows: bool = False  # pad every row to row_length (probes, flex attention)
 
 
@@ -529,12 +531,21 @@ class StepClock:
     step (CUDA events, read after training; the host clock off CUDA), a profile of one step, and
     with ``sample_stacks`` the host's stacks during every step (:class:`StackSampler`)."""
 
-    def __init__(self, device: torch.device, profile_step: int | None, sample_stacks: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        profile_step: int | None,
+        sample_stacks: bool = False,
+        profile_from: int | None = None,
+    ):
         from transformers import TrainerCallback
 
         self.device, self.profile_step, self.marks, self.profiler = device, profile_step, [], None
         self.profile_wall = None
         self.sampler = StackSampler(self.running_step) if sample_stacks else None
+        # profile_from: every step from this one on runs under the profiler, each in a range
+        # "step <i>" (profile_by_step reads them)
+        self.profile_from, self.step_range = profile_from, None
         # Triton kernels compiled during the run: (steps done by then, the kernel and its
         # specialisation), so that a compile in a steady step is seen and named
         self.compiles: list[tuple[int, str]] = []
@@ -554,19 +565,27 @@ class StepClock:
                 if clock.sampler is not None:
                     clock.sampler.start()
 
-            def on_train_end(self, args, state, control, **kwargs):
-                if clock.sampler is not None:
-                    clock.sampler.stop()
-
             def on_step_begin(self, args, state, control, **kwargs):
                 if state.global_step == 0:
                     clock.mark()
-                if state.global_step == clock.profile_step:
+                if state.global_step in (clock.profile_step, clock.profile_from):
                     clock.start_profile()
+                if clock.profile_from is not None and state.global_step >= clock.profile_from:
+                    clock.step_range = torch.profiler.record_function(f"step {state.global_step}")
+                    clock.step_range.__enter__()
 
             def on_step_end(self, args, state, control, **kwargs):
                 clock.mark()
+                if clock.step_range is not None:
+                    clock.step_range.__exit__(None, None, None)
+                    clock.step_range = None
                 if state.global_step - 1 == clock.profile_step:
+                    clock.stop_profile()
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if clock.sampler is not None:
+                    clock.sampler.stop()
+                if clock.profile_from is not None and clock.profiler is not None:
                     clock.stop_profile()
 
         self.callback = Callback()
@@ -601,7 +620,8 @@ class StepClock:
         # CUDA they are left out: the profiler keeps frame names as pointers into code objects,
         # and the Triton interpreter frees some within the profiled step, so key_averages()
         # once failed to decode them in the CPU test (UnicodeDecodeError).
-        self.profiler = profile(activities=activities, with_stack=self.device.type == "cuda")
+        stacks = self.device.type == "cuda" and self.profile_from is None  # every step: no stacks
+        self.profiler = profile(activities=activities, with_stack=stacks)
         self.profiler.start()
         self.profile_wall = time.perf_counter()
 
@@ -609,6 +629,40 @@ class StepClock:
         harness.synchronize(self.device)  # the step's kernels end inside the profile
         self.profile_wall = time.perf_counter() - self.profile_wall
         self.profiler.stop()
+
+
+def profile_by_step(profiler, seconds: list[float], top: int = 8) -> list[dict]:
+    """Per profiled step (the ranges "step <i>"): its seconds, the device time of its kernels,
+    the ``top`` kernels by device time and the ``top`` ops by self host time. A step slower
+    than the others with the same kernel time stalled on the host (the ops say where); one
+    whose kernels took longer stalled on the device (the kernels say which)."""
+    events = profiler.events()
+    ranges = {}  # step -> its widest range (a range may be recorded more than once)
+    for e in events:
+        if e.name.startswith("step ") and e.name.split()[1].isdigit():
+            index, span = int(e.name.split()[1]), e.time_range
+            if index not in ranges or span.elapsed_us() > ranges[index].elapsed_us():
+                ranges[index] = span
+    steps = []
+    for index, span in sorted(ranges.items(), key=lambda item: item[0]):
+        inside = [
+            e for e in events
+            if span.start <= e.time_range.start <= span.end and not e.name.startswith("step ")
+        ]  # fmt: skip
+        kernels, host = collections.Counter(), collections.Counter()
+        for event in inside:
+            host[event.name] += event.self_cpu_time_total
+            for kernel in event.kernels:
+                kernels[kernel.name[:120]] += kernel.duration
+        steps.append({
+            "step": index,
+            "seconds": seconds[index] if index < len(seconds) else None,
+            "device_ms": sum(kernels.values()) / 1e3,
+            "host_ms": sum(host.values()) / 1e3,
+            "kernels_ms": [[k, round(v / 1e3, 2)] for k, v in kernels.most_common(top)],
+            "host_ops_ms": [[k, round(v / 1e3, 2)] for k, v in host.most_common(top)],
+        })  # fmt: skip
+    return steps
 
 
 ORIGINS = ("packed_ce", "trl", "transformers", "accelerate", "peft", "liger_kernel")
@@ -711,7 +765,11 @@ def throughput_run(job: Job) -> dict:
     """One run: ``warmup + steps`` trl steps (one more, profiled, with ``job.profile``)."""
     device = torch.device(job.device)
     profile_step = job.warmup + job.steps if job.profile else None
-    clock = StepClock(device, profile_step, job.sample_stacks)
+    clock = StepClock(
+        device, profile_step, job.sample_stacks, job.warmup if job.profile_steps else None
+    )
+    if device.type == "cuda" and not job.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if job.profile:
         job = dataclasses.replace(job, steps=job.steps + 1)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -761,6 +819,8 @@ def throughput_run(job: Job) -> dict:
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / harness.GiB
     if clock.sampler is not None:
         result["stalled_steps"] = clock.sampler.report(seconds, timed)
+    if job.profile_steps:
+        result["steps_profiled"] = profile_by_step(clock.profiler, seconds)
     if device.type == "cuda":  # cudaMalloc retries: the allocator freed its cache and waited
         result["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries")
     if job.profile:
@@ -1097,6 +1157,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--profile", action="store_true", help="profile one more step after the steady ones")
     add("--sample-stacks", action="store_true",
         help="report the host's Python stacks in steady steps slower than 1.5x the median")  # fmt: skip
+    add("--profile-steps", action="store_true",
+        help="profile every steady step: each one's kernels and host ops (slow: for stalls)")  # fmt: skip
+    add("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
+        help="sdpa without its cuDNN kernels (torch.backends.cuda.enable_cudnn_sdp(False))")  # fmt: skip
     add("--adapter", choices=ADAPTERS, default="full",
         help="what trains: every parameter, a LoRA adapter, or one on the model in 4 bits "
         "(default full; --longest: full, and lora at 8b)")  # fmt: skip
@@ -1153,6 +1217,8 @@ def make_jobs(args) -> list[Job]:
                     quantized=args.adapter == "qlora",
                     profile=args.profile and not args.longest,
                     sample_stacks=args.sample_stacks and not args.longest,
+                    profile_steps=args.profile_steps and not args.longest,
+                    cudnn_attention=args.cudnn_attention,
                     pad_rows=args.longest or args.attention == "flex_attention",
                 )
             )
