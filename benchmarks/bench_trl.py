@@ -50,6 +50,8 @@ Two measurements (one shell call each on a GPU):
   training thread's Python stack every 10 ms and reports, for each steady step slower than 1.5x
   the median (and for the median step, to compare), the stacks it was seen in most: what the
   host did while a step stalled (a compile, an autotune, a wait), without a profiler's overhead.
+  ``--profile-steps`` runs every steady step under ``torch.profiler`` instead and reports, per
+  step, its device and host milliseconds, its top kernels and its top host ops.
 - ``--longest``: per run and model, the longest packed row that trains ``--probe-steps`` steps
   without running out of memory, with gradient checkpointing: ``--model 1b`` fully fine-tuned,
   ``--model 8b`` (Llama-3-8B shape) with LoRA (``peft_config=LoraConfig(...)``; ``--skip-lora``
@@ -305,7 +307,6 @@ class Job:
     profile: bool = False
     sample_stacks: bool = False
     profile_steps: bool = False
-    cudnn_attention: bool = True  # False: sdpa may not pick its cuDNN kernels
     pad_rows: bool = False  # pad every row to row_length (probes, flex attention)
 
 
@@ -768,8 +769,6 @@ def throughput_run(job: Job) -> dict:
     clock = StepClock(
         device, profile_step, job.sample_stacks, job.warmup if job.profile_steps else None
     )
-    if device.type == "cuda" and not job.cudnn_attention:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     if job.profile:
         job = dataclasses.replace(job, steps=job.steps + 1)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -1159,8 +1158,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="report the host's Python stacks in steady steps slower than 1.5x the median")  # fmt: skip
     add("--profile-steps", action="store_true",
         help="profile every steady step: each one's kernels and host ops (slow: for stalls)")  # fmt: skip
-    add("--no-cudnn-attention", dest="cudnn_attention", action="store_false",
-        help="sdpa without its cuDNN kernels (torch.backends.cuda.enable_cudnn_sdp(False))")  # fmt: skip
     add("--adapter", choices=ADAPTERS, default="full",
         help="what trains: every parameter, a LoRA adapter, or one on the model in 4 bits "
         "(default full; --longest: full, and lora at 8b)")  # fmt: skip
@@ -1178,6 +1175,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.profile and args.profile_steps:
+        parser.error("--profile and --profile-steps: choose one (one profiler at a time)")
     for name in ("warmup", "max_steps", "probe_steps", "max_probes", "row_length", "seconds"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
@@ -1218,7 +1217,6 @@ def make_jobs(args) -> list[Job]:
                     profile=args.profile and not args.longest,
                     sample_stacks=args.sample_stacks and not args.longest,
                     profile_steps=args.profile_steps and not args.longest,
-                    cudnn_attention=args.cudnn_attention,
                     pad_rows=args.longest or args.attention == "flex_attention",
                 )
             )

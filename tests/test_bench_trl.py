@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -372,3 +373,26 @@ def test_the_stack_sampler_names_what_the_host_did_in_a_slow_step(benchmarks_pat
     training = [stack.split(" < ")[:2] for stack, _ in slow["top"] if not stack.startswith("thread")]
     assert training and all(any("stall_here" in frame for frame in frames) for frames in training)
     assert sampler.report([1.0], slice(1, 1)) == []
+
+
+def test_a_profile_by_step_files_each_op_under_its_step(benchmarks_path):
+    import bench_trl
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    a = torch.ones(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        with record_function("step 3"):
+            a @ a
+        with record_function("step 4"):
+            a.sum()
+    steps = bench_trl.profile_by_step(profiler, [0.0, 0.0, 0.0, 0.5, 0.25])
+    assert [(s["step"], s["seconds"], s["device_ms"]) for s in steps] == [(3, 0.5, 0), (4, 0.25, 0)]
+    ops = [{name for name, _ in s["host_ops_ms"]} for s in steps]
+    assert "aten::mm" in ops[0] and "aten::mm" not in ops[1] and "aten::sum" in ops[1]
+
+
+def test_one_profiler_at_a_time(benchmarks_path):
+    import bench_trl
+
+    with pytest.raises(SystemExit):
+        bench_trl.parse_args(["--device", "cpu", "--model", "tiny", "--profile", "--profile-steps"])
