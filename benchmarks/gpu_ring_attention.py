@@ -280,12 +280,16 @@ def main() -> int:
     runs = [(length, world, "causal", torch.bfloat16) for length in args.lengths for world in args.worlds]
     runs += [(args.lengths[-1], 4, config, torch.bfloat16) for config in CONFIGS if config != "causal"]
     runs += [(args.lengths[0], 4, "causal", torch.float32)]
-    lines = (ring_of_one(16384, dtype) for dtype in (torch.float32, torch.bfloat16))
-    lines = itertools.chain(lines, (run_config(*run, rank=0, repeats=args.repeats) for run in runs))
+    # the timings first (flex attention compiles for each new step shape and dtype, tens of
+    # seconds each: a run cut short keeps what it measured), the registered function's check last
+    start = time.perf_counter()
+    lines = (run_config(*run, rank=0, repeats=args.repeats) for run in runs)
+    lines = itertools.chain(lines, (ring_of_one(16384, dtype) for dtype in (torch.bfloat16, torch.float32)))
+    print(f"{len(runs)} configurations, then the ring of one in bf16 and float32", flush=True)
     for line in lines:  # each line written as it comes: a run cut short keeps the ones before
         with open(args.out, "a") as handle:
             handle.write(json.dumps(line) + "\n")
-        print(json.dumps(line), flush=True)
+        print(f"[{time.perf_counter() - start:.0f} s] {json.dumps(line)}", flush=True)
         torch.cuda.empty_cache()
     return 0
 
