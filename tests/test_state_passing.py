@@ -6,9 +6,10 @@
   alone; chunks shorter than the convolution's reach gather instead;
 - the check of the first call: the module's own forward agrees; one that does not is warned of
   and gathered;
-- 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention), a row of
-  conversations over up to four chunks: the shares add up to every conversation alone (float32)
-  and equal the gathered route (float64), every gated delta net having passed its state.
+- 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention; Qwen3-Next's,
+  whose projections are fused, on 3), a row of conversations over up to four chunks: the shares
+  add up to every conversation alone (float32) and equal the gathered route (float64), every
+  gated delta net having passed its state.
 
 The family's rule runs in float32 whatever the model's dtype; the float64 comparisons patch in
 the rule token by token in float64 (:func:`recurrent_rule`, for the family's module and ours
@@ -70,9 +71,16 @@ def recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_
     return torch.stack(outputs, 1).to(value.dtype), s if output_final_state else None
 
 
-def float64_rule():
-    """Patches :func:`recurrent_rule` in as Qwen3.5's chunked rule (its forward's and ours)."""
-    return mock.patch("transformers.models.qwen3_5.modeling_qwen3_5.torch_chunk_gated_delta_rule", recurrent_rule)
+# the families whose gated delta nets pass their state, and the module of each one's rule
+RULES = {
+    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+}
+
+
+def float64_rule(family: str = "qwen3_5_text"):
+    """Patches :func:`recurrent_rule` in as the family's chunked rule (its forward's and ours)."""
+    return mock.patch(f"{RULES[family]}.torch_chunk_gated_delta_rule", recurrent_rule)
 
 
 def mixer_of(model):
@@ -86,17 +94,18 @@ def one_rank_layout(lengths: list[int], chunk: int) -> RowLayout:
     return RowLayout.gather(None, 0, 1, positions, chunks)
 
 
-def test_states_passed_from_chunk_to_chunk_are_each_conversation_alone(one_rank_group):
+@pytest.mark.parametrize("family", list(RULES))
+def test_states_passed_from_chunk_to_chunk_are_each_conversation_alone(family, one_rank_group):
     """A row of 48 tokens in 6 chunks of 8 on one rank (conversations over up to three chunks,
     one of a single token, a chunk that begins one conversation and carries another on): output
     and gradients of the mixer's own forward on every conversation alone."""
     lengths = [13, 1, 20, 3, 11]
-    model = tiny_family_model("qwen3_5_text", "eager").double()
+    model = tiny_family_model(family, "eager").double()
     mixer = mixer_of(model)
     hidden = torch.randn(1, sum(lengths), model.config.hidden_size, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(0))
     upstream = torch.randn_like(hidden)
-    with float64_rule():
+    with float64_rule(family):
         streamed = state.streamed_mixer(mixer, {"hidden_states": hidden.requires_grad_()},
                                         one_rank_layout(lengths, 8))
         got = loss_and_gradients(mixer, lambda m: (streamed * upstream).sum())[1]
@@ -133,10 +142,13 @@ def conversations() -> list[dict]:
     return synthetic_conversations(LENGTHS, VOCAB, seed=5)
 
 
-def share(rank: int, world: int, dtype, gather: bool) -> dict:
+def share(rank: int, world: int, family: str, dtype, gather: bool) -> dict:
     """This rank's loss share and gradients; ``gather``: the mixers gather the row instead."""
     batch = PackedCollator(pad_to_multiple_of=2 * world)(conversations())
-    model = apply_packed_loss(tiny_family_model("qwen3_5_text", "eager").to(dtype), backend="torch")
+    model = tiny_family_model(family, "eager").to(dtype)
+    if dtype == torch.float64 and model._can_set_experts_implementation():
+        model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+    model = apply_packed_loss(model, backend="torch")
     enable_context_parallel(model)
     streamed, original = [], state.streamed_mixer
 
@@ -151,27 +163,29 @@ def share(rank: int, world: int, dtype, gather: bool) -> dict:
     return {"loss": loss.detach().double(), "grads": {k: v.double() for k, v in gradients(model).items()}}
 
 
-def worker(rank: int, world: int, store: str, out_dir: str) -> None:
+def worker(rank: int, world: int, family: str, store: str, out_dir: str) -> None:
     start_rank(rank, world, store)
     try:
-        results = {"float32": share(rank, world, torch.float32, gather=False)}
-        with float64_rule():
-            results["streamed"] = share(rank, world, torch.float64, gather=False)
-            results["gathered"] = share(rank, world, torch.float64, gather=True)
+        results = {"float32": share(rank, world, family, torch.float32, gather=False)}
+        with float64_rule(family):
+            results["streamed"] = share(rank, world, family, torch.float64, gather=False)
+            results["gathered"] = share(rank, world, family, torch.float64, gather=True)
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_states_passed_between_ranks_are_exact(world, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "world"), [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3)]
+)
+def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
     """The shares of ``world`` ranks whose gated delta nets pass their state: float32, within
     1e-5 of every conversation alone (loss; the gradients as one vector, as for the gathered
     route in tests/test_mixers.py); float64, the gathered route's loss within 1e-12 and every
     gradient within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to
     float32; the gradients outside the gated delta net bit for bit, its own within 5e-8: the
     float32 decay, module docstring)."""
-    mp.spawn(worker, args=(world, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, family, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
     summed = {
         kind: {
@@ -181,13 +195,13 @@ def test_states_passed_between_ranks_are_exact(world, tmp_path):
         for kind in ranks[0]
     }
     expected_loss, expected_grads = loss_and_gradients(
-        tiny_family_model("qwen3_5_text", "eager"), lambda m: one_at_a_time(m, conversations())
+        tiny_family_model(family, "eager"), lambda m: one_at_a_time(m, conversations())
     )
     assert relative_error(summed["float32"]["loss"], expected_loss) <= 1e-5
     assert flat_relative_error(summed["float32"]["grads"], expected_grads) <= 1e-5
     streamed, gathered = summed["streamed"], summed["gathered"]
     assert relative_error(streamed["loss"], gathered["loss"]) <= 1e-12
     errors = {k: relative_error(streamed["grads"][k], v) for k, v in gathered["grads"].items()}
-    print(f"{world} ranks: float64 loss {relative_error(streamed['loss'], gathered['loss']):.1e}, worst gradient {max(errors.values()):.1e} "
+    print(f"{family}, {world} ranks: float64 loss {relative_error(streamed['loss'], gathered['loss']):.1e}, worst gradient {max(errors.values()):.1e} "
           f"(others than the decay's {max(e for k, e in errors.items() if 'linear_attn' not in k):.1e})")
     assert max(errors.values()) <= 1e-6, errors

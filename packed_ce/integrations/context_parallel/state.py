@@ -20,12 +20,13 @@ states' gradients along the row in reverse (``g_in = dS_in + M^T g_out``, ``dM =
 ``dB = g_out``), everything else through autograd on this rank's tokens. Nothing a rank holds
 grows with the row.
 
-Done for the gated delta nets of the Qwen3.5 layout (:data:`GATED_DELTA_NETS`: separate
-``in_proj_qkv``/``z``/``b``/``a`` projections, a depthwise ``conv1d``, the family's
-``torch_chunk_gated_delta_rule``), written against their transformers forward and checked
-against it on the first call of each row (:func:`_agrees_with_own_forward`); every other mixer,
-and rows cut into chunks shorter than the convolution's reach, gather the row's inputs
-(``model/mixers.py``).
+Done for the gated delta nets of Qwen3.5's and Qwen3-Next's layouts (:data:`GATED_DELTA_NETS`:
+separate ``in_proj_qkv``/``z``/``b``/``a`` projections, or Qwen3-Next's fused ``in_proj_qkvz``
+and ``in_proj_ba`` split by the module's own ``fix_query_key_value_ordering``; a depthwise
+``conv1d``, the family's ``torch_chunk_gated_delta_rule``), written against their transformers
+forward and checked against it on the first call of each row (:func:`_agrees_with_own_forward`);
+every other mixer, and rows cut into chunks shorter than the convolution's reach, gather the
+row's inputs (``model/mixers.py``).
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ GATED_DELTA_NETS = (
     "Qwen3_5MoeGatedDeltaNet",
     "Qwen4ExpTextGatedDeltaNet",
     "LaraMiniGatedDeltaNet",
+    "Qwen3NextGatedDeltaNet",
 )
-# What the forward below reads of such a module (a module without one of them gathers).
+# The input projections the forward below reads, in either layout (:func:`_projections`).
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_FUSED = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
+# What else it reads of such a module (a module without one of them, or without either set of
+# projections, gathers).
 _PARTS = (
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
+    "hidden_size",
     "conv1d",
     "A_log",
     "dt_bias",
@@ -302,6 +305,7 @@ def streamed_mixer(module: nn.Module, bound: dict, layout: RowLayout):
     if (
         type(module).__name__ not in GATED_DELTA_NETS
         or any(not hasattr(module, part) for part in _PARTS)
+        or not any(all(hasattr(module, part) for part in parts) for parts in (_SEPARATE, _FUSED))
         or _rule(module) is None
     ):
         return None
@@ -323,7 +327,7 @@ def _agrees_with_own_forward(module: nn.Module, layout: RowLayout) -> bool:
         weight = module.out_proj.weight
         generator = torch.Generator(device=weight.device).manual_seed(0)
         hidden = torch.randn(
-            (1, _PROBE_TOKENS, module.in_proj_qkv.in_features),
+            (1, _PROBE_TOKENS, module.hidden_size),
             generator=generator,
             device=weight.device,
         ).to(weight.dtype)
@@ -347,20 +351,37 @@ def _agrees_with_own_forward(module: nn.Module, layout: RowLayout) -> bool:
     return layout.plans[key]
 
 
+def _projections(module: nn.Module, hidden: torch.Tensor):
+    """The gated delta net's input projections of ``hidden`` ``(1, L, H)``: the convolution's
+    input ``(L, Cd)`` (queries, keys and values side by side), the gate ``z`` ``(1, L, Hv, dv)``
+    and the pre-activations ``b`` and ``a`` ``(1, L, Hv)`` of the write strength and the decay.
+    Qwen3-Next's fused projections interleave the heads: the module's own
+    ``fix_query_key_value_ordering`` takes them apart, as its forward does.
+    """
+    length = hidden.shape[1]
+    if all(hasattr(module, part) for part in _SEPARATE):
+        z = module.in_proj_z(hidden).reshape(1, length, -1, module.head_v_dim)
+        return module.in_proj_qkv(hidden)[0], z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+    query, key, value, z, b, a = module.fix_query_key_value_ordering(
+        module.in_proj_qkvz(hidden), module.in_proj_ba(hidden)
+    )
+    mixed = torch.cat([part.reshape(length, -1) for part in (query, key, value)], dim=-1)
+    return mixed, z, b, a
+
+
 def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
-    """A Qwen3.5-layout gated delta net's forward on ``hidden`` ``(1, L, H)``: with ``plan``,
-    this rank's chunks of the row (halos and states from the other ranks); without, ``hidden``
-    as one conversation (the check against the module's own forward).
+    """A gated delta net's forward (Qwen3.5's or Qwen3-Next's layout) on ``hidden``
+    ``(1, L, H)``: with ``plan``, this rank's chunks of the row (halos and states from the other
+    ranks); without, ``hidden`` as one conversation (the check against the module's own forward).
     """
     length = hidden.shape[1]
     key_dim, value_dim = module.key_dim, module.value_dim
     dk, dv = module.head_k_dim, module.head_v_dim
     reach = module.conv1d.kernel_size[0] - 1
-    mixed = module.in_proj_qkv(hidden)[0]  # (L, Cd)
-    z = module.in_proj_z(hidden).reshape(1, length, -1, dv)
-    beta = module.in_proj_b(hidden).sigmoid()  # (1, L, Hv)
+    mixed, z, b, a = _projections(module, hidden)  # (L, Cd), (1, L, Hv, dv), (1, L, Hv) twice
+    beta = b.sigmoid()
     # as the family computes it: float32, so that exp(A_log) cannot overflow in half precision
-    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     if plan is None:
         chunks, halos = [ChunkPlan([(0, length)], False, False, False)], None
     else:
