@@ -194,9 +194,9 @@ class Boundaries:
     def tensors(self) -> dict[str, Any]:
         """The per-call tensors given (every field but ``num_items_in_batch`` that is not None)."""
         return {
-            key: getattr(self, key)
-            for key in ("cu_seqlens", "position_ids", "seq_targets", "seq_weights")
-            if getattr(self, key) is not None
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "num_items_in_batch" and getattr(self, field.name) is not None
         }
 
 
