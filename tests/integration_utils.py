@@ -193,8 +193,10 @@ def spawn_ranks(function, args: tuple, nprocs: int) -> None:
     The processes are forked from a server process (``forkserver``) that has imported torch,
     transformers and packed-ce once (``RANK_PRELOAD``) and computed nothing: a rank starts in a
     fraction of a second where a fresh interpreter spends about 5 s of CPU importing them (most
-    of the distributed tests' time, 8 ranks on 2 cores). The server has run no OpenMP region,
-    so its children's thread pools start clean, as a spawned process's do.
+    of the distributed tests' time, 8 ranks on 2 cores). The server has run no OpenMP region and
+    made no CUDA call, so its children's thread pools and CUDA start clean, as a spawned process's
+    do. The ranks get the environment the test process had when the server started (its first
+    call): a worker sets what it needs itself (:func:`start_rank`).
     """
     import multiprocessing
 
