@@ -55,14 +55,6 @@ FAMILIES = ["qwen3_5_text", "nemotron_h", "lfm2", "kimi_linear", "jamba", "minim
 LENGTHS = [9, 14, 5, 11]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def conversations() -> list[dict]:
     return synthetic_conversations(LENGTHS, VOCAB, seed=5)
 
