@@ -24,6 +24,27 @@ if settings is not None:
     settings.load_profile("ci" if os.environ.get("CI") else "untimed")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """One intra-op thread for the whole suite and the processes it starts (the notebook's kernel,
+    the benchmark scripts, the README's torchrun; spawned ranks set theirs in ``start_rank``):
+    their tensors are tiny, and a second thread only waits on the first. On a 2-core machine with
+    another job beside it, torch's default (a thread per core) makes each op wait for a core the
+    other job holds: beside one busy process, tests/test_sft_trainer.py took 15 s instead of 9 s,
+    and tests/test_notebook.py 148 s instead of 19 s."""
+    import torch
+
+    threads, variable = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(threads)
+    if variable is None:
+        os.environ.pop("OMP_NUM_THREADS")
+    else:
+        os.environ["OMP_NUM_THREADS"] = variable
+
+
 @pytest.fixture(name="per_sequence_loss", scope="session")
 def per_sequence_loss_fixture():
     """:func:`loss_utils.per_sequence_loss`, the ground truth of every loss test."""

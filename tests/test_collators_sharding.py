@@ -137,11 +137,10 @@ def _gloo_rank(rank, store, world_size, out_dir):
 
 def test_two_gloo_processes_add_up_to_the_whole_batch(tmp_path):
     """The same with two processes: all-reduced loss and gradients equal one process on the whole batch."""
-    import torch.multiprocessing as mp
-    from integration_utils import rendezvous
+    from integration_utils import rendezvous, spawn_ranks
 
     world_size = 2
-    mp.spawn(_gloo_rank, args=(rendezvous(tmp_path), world_size, str(tmp_path)), nprocs=world_size, join=True)
+    spawn_ranks(_gloo_rank, (rendezvous(tmp_path), world_size, str(tmp_path)), world_size)
     table = lookup_table(VOCAB)
     whole, _ = packed_weighted_sum(table, PackedCollator(pad_to_multiple_of=2 * world_size)(EXAMPLES))
     whole.backward()

@@ -1,11 +1,12 @@
 """Context parallelism: the ranks' loss shares add up to the one-process loss, their gradients too,
 and every misuse is the same ``ValueError`` on every rank (never an abort or a hang).
 
-Two gloo processes (``torch.multiprocessing.spawn``) each run ``model(**shard_batch(batch, rank, 2),
-num_items_in_batch=n)`` with :func:`enable_context_parallel` and write their loss share and
-gradients to files; the test compares their sums with one process running ``model(**batch)``, or,
-for the families with sliding windows, softcaps and sinks, with every conversation run alone
-(float32, 1e-5 relative for the loss and, norm-wise, for every gradient).
+Two gloo processes (``integration_utils.spawn_ranks``) each run
+``model(**shard_batch(batch, rank, 2), num_items_in_batch=n)`` with :func:`enable_context_parallel`
+and write their loss share and gradients to files; the test compares their sums with one process
+running ``model(**batch)``, or, for the families with sliding windows, softcaps and sinks, with
+every conversation run alone (float32, 1e-5 relative for the loss and, norm-wise, for every
+gradient).
 
 The batch packs conversations that cross chunk and rank borders (a row of 96 tokens in 4 chunks
 of 24), one that lies wholly inside one chunk, one without a target, the padding segment, per-
@@ -23,7 +24,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from collators import PackedCollator, shard_batch
 from integration_utils import (
@@ -31,6 +31,7 @@ from integration_utils import (
     assert_loss_close,
     gradients,
     rendezvous,
+    spawn_ranks,
     start_rank,
     synthetic_conversations,
     tiny_model,
@@ -163,9 +164,8 @@ def worker(
 def run_ranks(
     tmp_path, backend: str, setups: list, dtype_name: str = "float32", scale: int = 1, chunk_tokens=None
 ) -> dict:
-    mp.spawn(
-        worker, args=(rendezvous(tmp_path), backend, str(tmp_path), setups, dtype_name, scale, chunk_tokens),
-        nprocs=WORLD, join=True,
+    spawn_ranks(
+        worker, (rendezvous(tmp_path), backend, str(tmp_path), setups, dtype_name, scale, chunk_tokens), WORLD
     )
     results = {}
     for setup in setups:
@@ -279,7 +279,7 @@ def test_groups_of_four_and_eight_and_data_parallel_groups(tmp_path, world, cp_s
     process on every group's row with the step's normaliser, loss and gradients (1e-5), with and
     without a sliding window, with Gemma 2's softcap."""
     setups = ["llama-logits", "mistral", "gemma2"]
-    mp.spawn(_groups_worker, args=(rendezvous(tmp_path), str(tmp_path), world, cp_sizes, setups), nprocs=world, join=True)
+    spawn_ranks(_groups_worker, (rendezvous(tmp_path), str(tmp_path), world, cp_sizes, setups), world)
     for cp_size in cp_sizes:
         rows = [packed_batch(seed=7 + g) for g in range(world // cp_size)]
         count = count_num_items(rows)
@@ -305,7 +305,7 @@ def test_batch_crosses_chunks_and_ranks():
 
 
 def test_one_rank_group_is_the_plain_model(tmp_path):
-    mp.spawn(_one_rank_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=1, join=True)
+    spawn_ranks(_one_rank_worker, (rendezvous(tmp_path), str(tmp_path)), 1)
     loss = torch.load(tmp_path / "one.pt")
     assert_loss_close(loss, one_process("llama-logits")[0])
 
@@ -426,7 +426,7 @@ def test_every_misuse_is_the_same_error_on_every_rank(tmp_path, backend):
     the group still computes, and a model with attention dropout evaluates."""
     import re
 
-    mp.spawn(_misuse_worker, args=(rendezvous(tmp_path), str(tmp_path), backend), nprocs=WORLD, join=True)
+    spawn_ranks(_misuse_worker, (rendezvous(tmp_path), str(tmp_path), backend), WORLD)
     seen = [torch.load(tmp_path / f"misuse-rank{rank}.pt") for rank in range(WORLD)]
     for name, pattern in MISUSE_MESSAGES.items():
         for rank in range(WORLD):
@@ -455,7 +455,7 @@ def _checkpointing_worker(rank: int, store: str, out_dir: str) -> None:
 def test_checkpointing_with_two_forwards_before_the_backward(tmp_path):
     """Gradient checkpointing recomputes each forward's layers with that forward's row: two rows
     through the model, then one backward, equal one process (1e-5)."""
-    mp.spawn(_checkpointing_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_checkpointing_worker, (rendezvous(tmp_path), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"two-rank{rank}.pt") for rank in range(WORLD)]
     model = build_model("llama-fused-checkpointing")
     rows = [packed_batch(), packed_batch(seed=8)]
@@ -550,7 +550,7 @@ def _own_attention_worker(rank: int, store: str, out_dir: str) -> None:
 def test_attention_past_the_interface_is_refused_on_every_rank(tmp_path):
     """Judged by what the first call does, not by a class flag: an attention module that never
     reached the context-parallel attention is named, the same error on every rank."""
-    mp.spawn(_own_attention_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_own_attention_worker, (rendezvous(tmp_path), str(tmp_path)), WORLD)
     outcomes = [torch.load(tmp_path / f"own-{rank}.pt") for rank in range(WORLD)]
     assert outcomes[0] == outcomes[1]
     assert "attention ['LlamaAttention'] does not go through transformers' attention interface" in outcomes[0]
@@ -702,10 +702,7 @@ def test_trainer_step_with_context_parallelism(tmp_path, trainer_name, backend, 
     conversations (at eval batch size 3, the second group's last row a copy)."""
     if trainer_name == "PackedSFTTrainer":
         pytest.importorskip("trl")
-    mp.spawn(
-        trainer_worker, args=(rendezvous(tmp_path), str(tmp_path), trainer_name, backend, world),
-        nprocs=world, join=True,
-    )
+    spawn_ranks(trainer_worker, (rendezvous(tmp_path), str(tmp_path), trainer_name, backend, world), world)
     initial = {name: p.detach() for name, p in tiny_model("llama", VOCAB).named_parameters()}
     expected, by_source = reference_step()
     for rank in range(world):
@@ -780,7 +777,7 @@ def fsdp2_worker(rank: int, store: str, out_dir: str) -> None:
 def test_fsdp2_shards_with_context_parallelism(tmp_path):
     """FSDP2 (torch's fully_shard on gloo) and context parallelism together: the loss and every
     gradient of one process, within the float32 tolerances."""
-    mp.spawn(fsdp2_worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(fsdp2_worker, (rendezvous(tmp_path), str(tmp_path)), WORLD)
     result = torch.load(tmp_path / "fsdp2.pt")
     expected_loss, expected_grads = one_process("llama-fused-checkpointing")
     assert_loss_close(result["loss"], expected_loss)

@@ -12,7 +12,7 @@ size to cancel DDP's gradient averaging. The ground truth is one process running
 conversation of the global batch alone through transformers' own loss and averaging.
 
 On CPU the processes talk through gloo; the ``cuda`` tests run the same workers with NCCL on two
-GPUs. Workers are started with ``torch.multiprocessing.spawn`` and write their results to files.
+GPUs. Workers are started with ``integration_utils.spawn_ranks`` and write their results to files.
 The trainers run with the Trainer's own SGD (``optim="sgd"``, constant rate), which FSDP2 and
 ZeRO-3 can shard, and ``PackedSFTTrainer`` runs on trl's padding-free batches of pre-tokenized
 conversations with a ``weight`` column, once training every parameter and once a LoRA adapter
@@ -33,7 +33,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import SequentialSampler
 
@@ -43,6 +42,7 @@ from integration_utils import (
     SFT_LR,
     assert_gradients_close,
     rendezvous,
+    spawn_ranks,
     start_rank,
     gradients,
     one_at_a_time,
@@ -345,7 +345,7 @@ def trainer_steps(backend: str, out_dir: str, parallel: str) -> dict:
 
 def run_workers(backend: str, out_dir: str, parallel: str = "ddp") -> dict[str, list[dict]]:
     """Every run on WORLD processes; results by run, one entry per rank."""
-    mp.spawn(worker, args=(rendezvous(out_dir), backend, out_dir, parallel), nprocs=WORLD, join=True)
+    spawn_ranks(worker, (rendezvous(out_dir), backend, out_dir, parallel), WORLD)
     return {
         run: [torch.load(os.path.join(out_dir, f"{run}-rank{rank}.pt")) for rank in range(WORLD)]
         for run in runs_of(parallel)

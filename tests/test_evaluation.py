@@ -17,7 +17,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from packed_ce.integrations import tiny_causal_lm
 
@@ -25,6 +24,7 @@ from integration_utils import (
     one_at_a_time,
     rendezvous,
     sft_args,
+    spawn_ranks,
     start_rank,
     synthetic_conversations,
     tiny_model,
@@ -238,7 +238,7 @@ def test_eval_loss_on_two_processes_leaves_out_accelerates_copies(tmp_path):
     """Seven conversations over two processes: at batch sizes 1 and 2 the second process's last
     batch holds a copy of the first conversation, at 64 both batches are completed with copies
     (all of the second process's)."""
-    mp.spawn(worker, args=(rendezvous(tmp_path), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(worker, (rendezvous(tmp_path), str(tmp_path)), WORLD)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(WORLD)]
     assert ranks[0].keys() == ranks[1].keys() and ranks[0]
     for key, (results, found) in ranks[0].items():

@@ -95,16 +95,14 @@ def padding_token(model) -> int:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread_quietly():
-    """Tiny tensors: more intra-op threads only contend (50x slower on a loaded 2-core runner);
-    transformers' warnings about the shrunk configurations (token ids past the vocabulary) off."""
+def quietly():
+    """transformers' warnings about the shrunk configurations (token ids past the vocabulary) off
+    (one intra-op thread, as the whole suite runs: conftest.py)."""
     from transformers.utils import logging
 
-    threads, verbosity = torch.get_num_threads(), logging.get_verbosity()
-    torch.set_num_threads(1)
+    verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     yield
-    torch.set_num_threads(threads)
     logging.set_verbosity(verbosity)
 
 

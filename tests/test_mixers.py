@@ -22,7 +22,6 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
 from collators import PackedCollator, shard_batch
@@ -43,6 +42,7 @@ from integration_utils import (
     loss_and_gradients,
     one_at_a_time,
     rendezvous,
+    spawn_ranks,
     start_rank,
     synthetic_conversations,
 )
@@ -53,14 +53,6 @@ from integration_utils import (
 # embeddings and a mask beside the hidden states)
 FAMILIES = ["qwen3_5_text", "nemotron_h", "lfm2", "kimi_linear", "jamba", "minimax"]
 LENGTHS = [9, 14, 5, 11]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def conversations() -> list[dict]:
@@ -335,7 +327,7 @@ def cp_worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_shares_add_up_to_every_conversation_alone(world, tmp_path):
-    mp.spawn(cp_worker, args=(world, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(cp_worker, (world, rendezvous(tmp_path), str(tmp_path)), world)
     for family in CP_FAMILIES:
         ranks = [torch.load(tmp_path / f"{family}-{world}-{rank}.pt") for rank in range(world)]
         model = built(family)

@@ -29,9 +29,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from integration_utils import rendezvous, start_rank
+from integration_utils import rendezvous, spawn_ranks, start_rank
 from packed_ce.integrations.context_parallel import blocks
 from packed_ce.integrations.context_parallel.attention import attention
 from packed_ce.integrations.context_parallel.layout import RowLayout
@@ -280,7 +279,7 @@ def test_ring_on_gloo_ranks_is_the_row(world, tmp_path):
     """Each rank's output and the gradients of its queries, keys and values (and the sinks',
     summed over the ranks) equal the row's, for every configuration: the largest error relative
     to the largest entry at most 1e-12 in float64, 2e-5 in float32."""
-    mp.spawn(ring_worker, args=(world, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(ring_worker, (world, rendezvous(tmp_path), str(tmp_path)), world)
     worst = {}
     for rank in range(world):
         for (config, dtype, name), error in torch.load(tmp_path / f"ring-{rank}.pt").items():

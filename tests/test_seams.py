@@ -29,7 +29,6 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 datasets = pytest.importorskip("datasets")
 
@@ -38,6 +37,7 @@ from integration_utils import (  # noqa: E402
     has_target,
     one_at_a_time,
     rendezvous,
+    spawn_ranks,
     start_rank,
     synthetic_conversations,
     tiny_model,
@@ -243,7 +243,7 @@ def test_every_producer_into_every_consumer(world, tmp_path):
         case["path"] = produce(case, tmp_path)
     # one process too is spawned: the environment a worker sets and the process group accelerate
     # starts from it stay out of the tests that follow
-    mp.spawn(worker, args=(world, rendezvous(tmp_path), str(tmp_path), cases), nprocs=world, join=True)
+    spawn_ranks(worker, (world, rendezvous(tmp_path), str(tmp_path), cases), world)
     results = torch.load(tmp_path / f"{world}-rank0.pt")
     failures, ran = [], collections.Counter()
     for case in cases:

@@ -26,13 +26,13 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from collators import PackedCollator, shard_batch
 from family_models import VOCAB, tiny_family_model
 from integration_utils import (
     flat_relative_error,
     rendezvous,
+    spawn_ranks,
     start_rank,
     gradients,
     loss_and_gradients,
@@ -185,7 +185,7 @@ def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
     gradient within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to
     float32; the gradients outside the gated delta net bit for bit, its own within 5e-8: the
     float32 decay, module docstring)."""
-    mp.spawn(worker, args=(world, family, rendezvous(tmp_path), str(tmp_path)), nprocs=world, join=True)
+    spawn_ranks(worker, (world, family, rendezvous(tmp_path), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
     summed = {
         kind: {
