@@ -1,5 +1,5 @@
-"""Gated delta nets under context parallelism pass their state between the ranks
-(``context_parallel/state.py``) instead of gathering the row's inputs: exact.
+"""Gated delta nets and LFM2's short convolutions under context parallelism pass their state
+between the ranks (``context_parallel/state.py``) instead of gathering the row's inputs: exact.
 
 - one process, a row of many chunks (the halos and the states passed from chunk to chunk on
   one rank): the mixer's output and every gradient equal its own forward on each conversation
@@ -7,7 +7,8 @@
 - the check of the first call: the module's own forward agrees; one that does not is warned of
   and gathered;
 - 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention; Qwen3-Next's,
-  whose projections are fused, on 3), a row of conversations over up to four chunks: the shares
+  whose projections are fused, and LFM2's, a short convolution, on 3), a row of conversations
+  over up to four chunks: the shares
   add up to every conversation alone (float32) and equal the gathered route (float64), every
   gated delta net having passed its state.
 
@@ -20,6 +21,7 @@ are compared within 1e-6, the outputs within 1e-12.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from unittest import mock
 
@@ -71,20 +73,25 @@ def recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_
     return torch.stack(outputs, 1).to(value.dtype), s if output_final_state else None
 
 
-# the families whose gated delta nets pass their state, and the module of each one's rule
+# the families whose mixers pass their state, and the module of each one's gated delta rule
+# (None: a short convolution, float64 as it is)
 RULES = {
     "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "lfm2": None,
 }
 
 
 def float64_rule(family: str = "qwen3_5_text"):
     """Patches :func:`recurrent_rule` in as the family's chunked rule (its forward's and ours)."""
+    if RULES[family] is None:
+        return contextlib.nullcontext()
     return mock.patch(f"{RULES[family]}.torch_chunk_gated_delta_rule", recurrent_rule)
 
 
 def mixer_of(model):
-    return model.model.layers[0].linear_attn
+    layer = model.model.layers[0]
+    return layer.conv if hasattr(layer, "conv") else layer.linear_attn
 
 
 def one_rank_layout(lengths: list[int], chunk: int) -> RowLayout:
@@ -176,7 +183,8 @@ def worker(rank: int, world: int, family: str, store: str, out_dir: str) -> None
 
 
 @pytest.mark.parametrize(
-    ("family", "world"), [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3)]
+    ("family", "world"),
+    [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3), ("lfm2", 3)],
 )
 def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
     """The shares of ``world`` ranks whose gated delta nets pass their state: float32, within

@@ -20,7 +20,11 @@ states' gradients along the row in reverse (``g_in = dS_in + M^T g_out``, ``dM =
 ``dB = g_out``), everything else through autograd on this rank's tokens. Nothing a rank holds
 grows with the row.
 
-Done for the gated delta nets of Qwen3.5's and Qwen3-Next's layouts (:data:`GATED_DELTA_NETS`:
+A short convolution alone (LFM2's, :data:`SHORT_CONVOLUTIONS`: ``in_proj`` to ``B``, ``C``,
+``x``; the convolution of ``B x``; ``C`` times it; ``out_proj``) needs the halos only.
+
+Done for LFM2's short convolutions and for the gated delta nets of Qwen3.5's and Qwen3-Next's
+layouts (:data:`GATED_DELTA_NETS`:
 separate ``in_proj_qkv``/``z``/``b``/``a`` projections, or Qwen3-Next's fused ``in_proj_qkvz``
 and ``in_proj_ba`` split by the module's own ``fix_query_key_value_ordering``; a depthwise
 ``conv1d``, the family's ``torch_chunk_gated_delta_rule``), written against their transformers
@@ -51,7 +55,10 @@ GATED_DELTA_NETS = (
     "LaraMiniGatedDeltaNet",
     "Qwen3NextGatedDeltaNet",
 )
-# The input projections the forward below reads, in either layout (:func:`_projections`).
+SHORT_CONVOLUTIONS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+# What :func:`_short_convolution` reads of such a module.
+_SHORT_PARTS = ("in_proj", "conv", "out_proj")
+# The input projections the gated delta net reads, in either layout (:func:`_projections`).
 _SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 _FUSED = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
 # What else it reads of such a module (a module without one of them, or without either set of
@@ -298,42 +305,57 @@ class _StateChain(torch.autograd.Function):
         return grad_transitions, grad_offsets, None, None, None, None
 
 
-def streamed_mixer(module: nn.Module, bound: dict, layout: RowLayout):
-    """The output of mixer ``module`` called with arguments ``bound`` on this rank's tokens, its
-    state passed between the ranks (module docstring); None where it gathers instead.
+def _streamed_forward(module: nn.Module):
+    """The forward below that passes ``module``'s state (:func:`_gated_delta_net` or
+    :func:`_short_convolution`) and its convolution, or None where the module is not one of
+    theirs.
     """
+    name = type(module).__name__
+    if name in SHORT_CONVOLUTIONS and all(hasattr(module, part) for part in _SHORT_PARTS):
+        return _short_convolution, module.conv
     if (
-        type(module).__name__ not in GATED_DELTA_NETS
+        name not in GATED_DELTA_NETS
         or any(not hasattr(module, part) for part in _PARTS)
         or not any(all(hasattr(module, part) for part in parts) for parts in (_SEPARATE, _FUSED))
         or _rule(module) is None
     ):
         return None
+    return _gated_delta_net, module.conv1d
+
+
+def streamed_mixer(module: nn.Module, bound: dict, layout: RowLayout):
+    """The output of mixer ``module`` called with arguments ``bound`` on this rank's tokens, its
+    state passed between the ranks (module docstring); None where it gathers instead.
+    """
+    found = _streamed_forward(module)
+    if found is None:
+        return None
+    forward, convolution = found
     hidden = bound.get("hidden_states")
     if not isinstance(hidden, torch.Tensor) or any(bound.get(name) is not None for name in _READ):
         return None  # a cache or a padding mask: the gathered route reads them
-    plan = mixer_plan(layout, module.conv1d.kernel_size[0] - 1)
+    plan = mixer_plan(layout, convolution.kernel_size[0] - 1)
     if plan is None or not _agrees_with_own_forward(module, layout):
         return None
-    return _gated_delta_net(module, hidden, layout, plan)
+    return forward(module, hidden, layout, plan)
 
 
 def _agrees_with_own_forward(module: nn.Module, layout: RowLayout) -> bool:
-    """Whether :func:`_gated_delta_net` computes what ``module``'s own forward does, on a few
-    tokens of noise; decided once per row and class, the same on every rank (one all-reduce).
+    """Whether the forward below computes what ``module``'s own forward does, on a few tokens of
+    noise; decided once per row and class, the same on every rank (one all-reduce).
     """
     key = ("agrees", type(module))
     if key not in layout.plans:
         weight = module.out_proj.weight
         generator = torch.Generator(device=weight.device).manual_seed(0)
         hidden = torch.randn(
-            (1, _PROBE_TOKENS, module.hidden_size),
+            (1, _PROBE_TOKENS, weight.shape[0]),  # out_proj: back to the hidden size
             generator=generator,
             device=weight.device,
         ).to(weight.dtype)
         with torch.no_grad():
             own = type(module).forward(module, hidden)
-            ours = _gated_delta_net(module, hidden, None, None)
+            ours = _streamed_forward(module)[0](module, hidden, None, None)
         relative = max(_PROBE_ULPS * torch.finfo(own.dtype).eps, _PROBE_RTOL)
         tolerance = relative * own.abs().max().float()
         agrees = torch.tensor(
@@ -452,6 +474,37 @@ def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan |
     return module.out_proj(core)
 
 
+def _short_convolution(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
+    """LFM2's short convolution on ``hidden`` ``(1, L, H)``: ``out_proj(C * conv(B * x))`` with
+    ``B, C, x = in_proj(hidden)``; with ``plan``, this rank's chunks of the row, each continued
+    conversation's convolution reading the previous chunk's last ``K - 1`` values of ``B x`` (its
+    halo); without, ``hidden`` as one conversation (the check against the module's own forward).
+    """
+    gate, out_gate, values = module.in_proj(hidden)[0].chunk(3, dim=-1)  # (L, H) each
+    gated = gate * values
+    reach = module.conv.kernel_size[0] - 1
+    if plan is None:
+        chunks, halos = [ChunkPlan([(0, hidden.shape[1])], False, False, False)], None
+    else:
+        chunks = plan.chunks
+        size = hidden.shape[1] // len(chunks)
+        tails = gated.view(len(chunks), size, -1)[:, size - reach :]  # (m, K - 1, H)
+        tails = tails * _same_conversation(layout, plan, size, reach)[..., None]
+        halos = _Halos.apply(tails, plan, layout.group)
+    outputs = []
+    for j, chunk in enumerate(chunks):
+        for index, (start, end) in enumerate(chunk.segments):
+            inputs = gated[start:end]
+            if chunk.continued and index == 0:  # the previous chunk's last inputs first
+                inputs = torch.cat((halos[j], inputs))
+            outputs.append(_depthwise(module.conv, inputs)[-(end - start) :])
+    convolved = torch.cat(outputs)
+    if halos is not None:
+        # the halos' backward is an exchange every rank joins, one whose chunks read none too
+        convolved = convolved + 0 * halos.sum().to(convolved.dtype)
+    return module.out_proj(out_gate * convolved)[None]
+
+
 def _same_conversation(layout: RowLayout, plan: MixerPlan, size: int, reach: int) -> torch.Tensor:
     """``(m, K - 1)`` 1 where a chunk's tail token is in the conversation of the row token after
     the chunk (the halo the next chunk reads), else 0; planned on the host once per row.
@@ -475,18 +528,23 @@ def _rule(module: nn.Module):
     return getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
 
 
-def _convolve(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    """The family's causal depthwise convolution and activation on ``inputs`` ``(l, Cd)`` ->
-    ``(l, Cd)`` (transformers' reference ``causal_conv1d_fn``).
+def _depthwise(conv: nn.Conv1d, inputs: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise convolution ``conv`` on ``inputs`` ``(l, C)`` -> ``(l, C)`` in the
+    convolution's dtype (what transformers' reference ``causal_conv1d_fn`` computes).
     """
-    from transformers.activations import ACT2FN
-
-    weight = module.conv1d.weight  # (Cd, 1, K)
+    weight = conv.weight  # (C, 1, K)
     out = F.conv1d(
         inputs.T[None].to(weight.dtype),
         weight,
-        module.conv1d.bias,
+        conv.bias,
         padding=weight.shape[-1] - 1,
         groups=weight.shape[0],
     )[..., : inputs.shape[0]]
-    return ACT2FN[module.activation](out)[0].T.to(inputs.dtype)
+    return out[0].T
+
+
+def _convolve(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The gated delta net's convolution and activation on ``inputs`` ``(l, Cd)`` -> ``(l, Cd)``."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[module.activation](_depthwise(module.conv1d, inputs)).to(inputs.dtype)
