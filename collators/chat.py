@@ -101,7 +101,7 @@ def tokenize_conversation(
         raise ValueError(
             f"`messages[{image_part}]` has image parts, which a tokenizer cannot turn into the "
             "model's image tokens: tokenize it with the model's processor "
-            "(collators.tokenize_vision_conversation or tokenize_vision_dataset)."
+            "(collators.tokenize_vision_conversation, or tokenize_dataset(data, processor))."
         )
     labelled = label_conversation(
         tokenizer,

@@ -24,13 +24,13 @@ A short convolution alone (LFM2's, :data:`SHORT_CONVOLUTIONS`: ``in_proj`` to ``
 ``x``; the convolution of ``B x``; ``C`` times it; ``out_proj``) needs the halos only.
 
 Done for LFM2's short convolutions and for the gated delta nets of Qwen3.5's and Qwen3-Next's
-layouts (:data:`GATED_DELTA_NETS`:
-separate ``in_proj_qkv``/``z``/``b``/``a`` projections, or Qwen3-Next's fused ``in_proj_qkvz``
-and ``in_proj_ba`` split by the module's own ``fix_query_key_value_ordering``; a depthwise
-``conv1d``, the family's ``torch_chunk_gated_delta_rule``), written against their transformers
-forward and checked against it on the first call of each row (:func:`_agrees_with_own_forward`);
-every other mixer, and rows cut into chunks shorter than the convolution's reach, gather the
-row's inputs (``model/mixers.py``).
+layouts (:data:`GATED_DELTA_NETS`: separate ``in_proj_qkv``/``z``/``b``/``a`` projections, or
+Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba`` split by the module's own
+``fix_query_key_value_ordering``; a depthwise ``conv1d``, the family's
+``torch_chunk_gated_delta_rule``), written against their transformers forward and checked
+against it on the first call of each row (:func:`_agrees_with_own_forward`); every other mixer,
+and rows cut into chunks shorter than the convolution's reach, gather the row's inputs
+(``model/mixers.py``).
 """
 
 from __future__ import annotations
@@ -404,14 +404,7 @@ def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan |
     beta = b.sigmoid()
     # as the family computes it: float32, so that exp(A_log) cannot overflow in half precision
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    if plan is None:
-        chunks, halos = [ChunkPlan([(0, length)], False, False, False)], None
-    else:
-        chunks = plan.chunks
-        size = length // len(chunks)
-        tails = mixed.view(len(chunks), size, -1)[:, size - reach :]  # (m, K - 1, Cd)
-        tails = tails * _same_conversation(layout, plan, size, reach)[..., None]
-        halos = _Halos.apply(tails, plan, layout.group)
+    chunks, halos = _chunks_and_halos(mixed, layout, plan, reach)
     rule = _rule(module)
     heads = module.num_v_heads
     state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the rule's, at least
@@ -483,14 +476,7 @@ def _short_convolution(module, hidden, layout: RowLayout | None, plan: MixerPlan
     gate, out_gate, values = module.in_proj(hidden)[0].chunk(3, dim=-1)  # (L, H) each
     gated = gate * values
     reach = module.conv.kernel_size[0] - 1
-    if plan is None:
-        chunks, halos = [ChunkPlan([(0, hidden.shape[1])], False, False, False)], None
-    else:
-        chunks = plan.chunks
-        size = hidden.shape[1] // len(chunks)
-        tails = gated.view(len(chunks), size, -1)[:, size - reach :]  # (m, K - 1, H)
-        tails = tails * _same_conversation(layout, plan, size, reach)[..., None]
-        halos = _Halos.apply(tails, plan, layout.group)
+    chunks, halos = _chunks_and_halos(gated, layout, plan, reach)
     outputs = []
     for j, chunk in enumerate(chunks):
         for index, (start, end) in enumerate(chunk.segments):
@@ -503,6 +489,21 @@ def _short_convolution(module, hidden, layout: RowLayout | None, plan: MixerPlan
         # the halos' backward is an exchange every rank joins, one whose chunks read none too
         convolved = convolved + 0 * halos.sum().to(convolved.dtype)
     return module.out_proj(out_gate * convolved)[None]
+
+
+def _chunks_and_halos(inputs, layout: RowLayout | None, plan: MixerPlan | None, reach: int):
+    """The chunks the convolution of ``inputs`` ``(L, C)`` runs over, and each chunk's halo
+    ``(m, K - 1, C)``: the previous row chunk's last ``reach`` inputs, from whichever rank holds
+    it (zeros where they are another conversation's). Without ``plan``, ``inputs`` are one
+    conversation: one chunk, no halo.
+    """
+    if plan is None:
+        return [ChunkPlan([(0, inputs.shape[0])], False, False, False)], None
+    chunks = plan.chunks
+    size = inputs.shape[0] // len(chunks)
+    tails = inputs.view(len(chunks), size, -1)[:, size - reach :]  # (m, K - 1, C)
+    tails = tails * _same_conversation(layout, plan, size, reach)[..., None]
+    return chunks, _Halos.apply(tails, plan, layout.group)
 
 
 def _same_conversation(layout: RowLayout, plan: MixerPlan, size: int, reach: int) -> torch.Tensor:
