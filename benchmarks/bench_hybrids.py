@@ -10,10 +10,16 @@ parameter gradient (as one vector, relative to the reference's norm):
   every conversation alone through transformers' own loss, in float32 and in bfloat16;
 - ``own``: the same packed row without packed-ce (the family's own packed call, its token mixers
   over the whole row) against every conversation alone, in float32 and in bfloat16;
-- ``alone_vs_float32``: every conversation alone in bfloat16 against float32: bfloat16's own
-  error, the scale the bfloat16 errors are read against.
+- ``alone_vs_float32``, ``own_vs_float32``, ``packed_vs_float32`` (bfloat16 after float32 in one
+  run): every conversation alone, the family's own packed row and packed-ce's, each in bfloat16
+  against every conversation alone in float32: bfloat16's own error, and how far each packed
+  arrangement is from the float32 truth on the same scale.
 
-One JSON line per run is appended to ``--out``'s ``hybrids_exactness_<device>.jsonl``::
+One JSON line per dtype (``--dtypes``, float32 then bfloat16) is appended to ``--out``'s
+``hybrids_exactness_<device>.jsonl`` as soon as that dtype is measured, and each phase's start is
+printed with the seconds since the start: on a machine whose kernel caches are cold (fla
+autotunes, tilelang compiles, for each dtype and for varlen and fixed-length calls) a run cut
+short keeps what it measured and shows where its time went::
 
     PYTHONPATH=.:benchmarks python benchmarks/bench_hybrids.py --out benchmarks/results
 """
@@ -85,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="qwen3_5-2b", choices=tuple(MODELS))
     parser.add_argument("--conversations", type=int, default=6)
     parser.add_argument("--attention", default="sdpa")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16")
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from collators import PackedCollator
@@ -100,36 +109,50 @@ def main(argv=None) -> int:
         for k, v in PackedCollator()(conversations).items()
     }
     start = time.perf_counter()
-    reference = build_model(args.model, args.attention, device).float()
-    low = copy.deepcopy(reference).to(torch.bfloat16)
-    truth32 = alone(reference, conversations, device)
-    result = {
-        "model": args.model,
-        "conversations": len(conversations),
-        "tokens": int(batch["input_ids"].shape[1]),
-        "float32": {"own": errors(own_packed(reference, batch), truth32)},
-    }
-    apply_packed_loss(reference)
-    result["float32"]["packed"] = errors(packed(reference, batch), truth32)
-    del reference
-    truth16 = alone(low, conversations, device)
-    result["bfloat16"] = {
-        "alone_vs_float32": errors(truth16, truth32),
-        "own": errors(own_packed(low, batch), truth16),
-    }
-    apply_packed_loss(low)
-    result["bfloat16"]["packed"] = errors(packed(low, batch), truth16)
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    result["environment"] = harness.environment(
-        device, ("torch", "triton", "transformers", "fla-core", "tilelang", "causal-conv1d")
-    )
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        slug = harness.device_slug(result["environment"])
-        path = Path(args.out) / f"hybrids_exactness_{slug}.jsonl"
-        with path.open("a") as handle:
-            handle.write(line + "\n")
+
+    def phase(name: str) -> None:
+        print(f"[{time.perf_counter() - start:.0f} s] {name}", flush=True)
+
+    phase("building the model")
+    base = build_model(args.model, args.attention, device).float()
+    truth32 = None
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        model = copy.deepcopy(base).to(dtype)
+        phase(f"{name}: every conversation alone")
+        truth = alone(model, conversations, device)
+        result = {
+            "model": args.model,
+            "conversations": len(conversations),
+            "tokens": int(batch["input_ids"].shape[1]),
+            "dtype": name,
+        }
+        if dtype != torch.float32 and truth32 is not None:
+            result["alone_vs_float32"] = errors(truth, truth32)
+        truth32 = truth if dtype == torch.float32 else truth32
+        phase(f"{name}: the family's own packed row")
+        own = own_packed(model, batch)
+        result["own"] = errors(own, truth)
+        apply_packed_loss(model)
+        phase(f"{name}: packed-ce's packed row")
+        ours = packed(model, batch)
+        result["packed"] = errors(ours, truth)
+        if "alone_vs_float32" in result:
+            # each arrangement against the float32 truth: within bf16's own error when as close
+            # to it as every conversation alone in bf16 is
+            result["own_vs_float32"] = errors(own, truth32)
+            result["packed_vs_float32"] = errors(ours, truth32)
+        del model
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        result["environment"] = harness.environment(
+            device, ("torch", "triton", "transformers", "fla-core", "tilelang", "causal-conv1d")
+        )
+        line = json.dumps(result)
+        print(line, flush=True)
+        if args.out:
+            slug = harness.device_slug(result["environment"])
+            with (Path(args.out) / f"hybrids_exactness_{slug}.jsonl").open("a") as handle:
+                handle.write(line + "\n")
     return 0
 
 

@@ -13,7 +13,7 @@ autograd Function, the sinks) against the gathered reference.
 
 Shapes: the Llama-3.2-1B attention (32 query heads sharing 8 key/value heads of 64), bf16 and
 float32, conversations of 8k-32k tokens, causal; sliding windows and Gemma 2's softcap as extra
-configurations. Run on one GPU:
+configurations (``--parts``). Run on one GPU:
 
     PYTHONPATH=$PWD python benchmarks/gpu_ring_attention.py \
         --out benchmarks/results/context_parallel_ring_blocks_1xh200.jsonl
@@ -269,23 +269,35 @@ def ring_of_one(length: int, dtype, device="cuda") -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[65536])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8])  # simulated ranks
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", default=["causal", "extras", "float32", "ring-of-one"],
+                        choices=("causal", "extras", "float32", "ring-of-one"))
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_ring_attention.py needs a CUDA GPU")
         return 1
-    runs = [(length, world, "causal", torch.bfloat16) for length in args.lengths for world in args.worlds]
-    runs += [(args.lengths[-1], 4, config, torch.bfloat16) for config in CONFIGS if config != "causal"]
-    runs += [(args.lengths[0], 4, "causal", torch.float32)]
+    # every configuration adds compiled entries (the steps' and the gathered path's masks, score
+    # mods, shapes); past dynamo's default of 8 flex attention falls back to eager, whose math
+    # path materialises the scores (a 128 GiB allocation at 65,536 tokens)
+    torch._dynamo.config.recompile_limit = 64
+    runs = []
+    if "causal" in args.parts:
+        runs += [(n, world, "causal", torch.bfloat16) for n in args.lengths for world in args.worlds]
+    if "extras" in args.parts:
+        runs += [(args.lengths[-1], 4, c, torch.bfloat16) for c in CONFIGS if c != "causal"]
+    if "float32" in args.parts:
+        runs += [(args.lengths[0], 4, "causal", torch.float32)]
     # the timings first (flex attention compiles for each new step shape and dtype, tens of
     # seconds each: a run cut short keeps what it measured), the registered function's check last
     start = time.perf_counter()
     lines = (run_config(*run, rank=0, repeats=args.repeats) for run in runs)
-    lines = itertools.chain(lines, (ring_of_one(16384, dtype) for dtype in (torch.bfloat16, torch.float32)))
-    print(f"{len(runs)} configurations, then the ring of one in bf16 and float32", flush=True)
+    if "ring-of-one" in args.parts:
+        dtypes = (torch.bfloat16, torch.float32)
+        lines = itertools.chain(lines, (ring_of_one(16384, dtype) for dtype in dtypes))
+    print(f"{len(runs)} configurations; parts {' '.join(args.parts)}", flush=True)
     for line in lines:  # each line written as it comes: a run cut short keeps the ones before
         with open(args.out, "a") as handle:
             handle.write(json.dumps(line) + "\n")
