@@ -1,5 +1,6 @@
-"""Gated delta nets and LFM2's short convolutions under context parallelism pass their state
-between the ranks (``context_parallel/state.py``) instead of gathering the row's inputs: exact.
+"""Gated delta nets, Mamba 2's mixers and LFM2's short convolutions under context parallelism
+pass their state between the ranks (``context_parallel/state.py``) instead of gathering the row's
+inputs: exact.
 
 - one process, a row of many chunks (the halos and the states passed from chunk to chunk on
   one rank): the mixer's output and every gradient equal its own forward on each conversation
@@ -7,14 +8,14 @@ between the ranks (``context_parallel/state.py``) instead of gathering the row's
 - the check of the first call: the module's own forward agrees; one that does not is warned of
   and gathered;
 - 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention; Qwen3-Next's,
-  whose projections are fused, and LFM2's, a short convolution, on 3), a row of conversations
-  over up to four chunks: the shares
+  whose projections are fused, LFM2's, a short convolution, and Nemotron-H's and Granite
+  4.0-H's, Mamba 2, on 3), a row of conversations over up to four chunks: the shares
   add up to every conversation alone (float32) and equal the gathered route (float64), every
   gated delta net having passed its state.
 
-The family's rule runs in float32 whatever the model's dtype; the float64 comparisons patch in
-the rule token by token in float64 (:func:`recurrent_rule`, for the family's module and ours
-alike). The family computes its decay ``g`` in float32 too, so the gradients reaching ``A_log``,
+The family's rule (and Mamba 2's scan) runs in float32 whatever the model's dtype; the float64
+comparisons patch in the rule or the scan token by token in float64 (:func:`recurrent_rule`,
+:func:`recurrent_scan`, for the family's module and ours alike). The family computes its decay ``g`` in float32 too, so the gradients reaching ``A_log``,
 ``dt_bias`` and ``in_proj_a`` (and, through the latter, the inputs) carry float32 rounding: they
 are compared within 1e-6, the outputs within 1e-12.
 """
@@ -73,25 +74,58 @@ def recurrent_rule(query, key, value, g, beta, initial_state=None, output_final_
     return torch.stack(outputs, 1).to(value.dtype), s if output_final_state else None
 
 
-# the families whose mixers pass their state, and the module of each one's gated delta rule
-# (None: a short convolution, float64 as it is)
+def recurrent_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
+                   initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                   return_final_states=False, **kwargs):
+    """Mamba 2's scan token by token, in float64: ``h <- e^(dt A) h + dt x B^T``,
+    ``y = h C + D x``, per head (``dt`` shifted by ``dt_bias``, softplus, clamped to ``dt_limit``;
+    ``B``, ``C`` shared by the heads of a group), as transformers' ``mamba2_chunk_scan`` computes
+    it in float32."""
+    x = hidden_states.double()
+    batch, length, heads, _ = x.shape
+    groups = heads // B.shape[2]
+    b, c = (m.double().repeat_interleave(groups, dim=2) for m in (B, C))
+    dt = dt.double() + (0 if dt_bias is None else dt_bias.double())
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    dt = dt.clamp(dt_limit[0], dt_limit[1])
+    h = (torch.zeros(batch, heads, x.shape[-1], b.shape[-1], dtype=torch.float64)
+         if initial_states is None else initial_states.double())
+    outputs = []
+    for t in range(length):
+        h = h * (dt[:, t] * A.double()).exp()[..., None, None]
+        h = h + dt[:, t, :, None, None] * x[:, t, :, :, None] * b[:, t, :, None, :]
+        y = torch.einsum("bhpn,bhn->bhp", h, c[:, t])
+        outputs.append(y if D is None else y + D.double()[:, None] * x[:, t])
+    out = torch.stack(outputs, 1).to(hidden_states.dtype)
+    return (out, h) if return_final_states else out
+
+
+# the families whose mixers pass their state, and where each one's float64 stand-in goes: the
+# module and name of its gated delta rule or Mamba 2 scan (None: a short convolution, float64
+# as it is)
 RULES = {
-    "qwen3_5_text": "transformers.models.qwen3_5.modeling_qwen3_5",
-    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+    "qwen3_5_text": ("transformers.models.qwen3_5.modeling_qwen3_5", "torch_chunk_gated_delta_rule", recurrent_rule),
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule", recurrent_rule),
     "lfm2": None,
+    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "mamba2_chunk_scan", recurrent_scan),
+    "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "mamba2_chunk_scan", recurrent_scan),
 }
 
 
 def float64_rule(family: str = "qwen3_5_text"):
-    """Patches :func:`recurrent_rule` in as the family's chunked rule (its forward's and ours)."""
+    """Patches the family's float64 stand-in in (its forward's and ours)."""
     if RULES[family] is None:
         return contextlib.nullcontext()
-    return mock.patch(f"{RULES[family]}.torch_chunk_gated_delta_rule", recurrent_rule)
+    module, name, stand_in = RULES[family]
+    return mock.patch(f"{module}.{name}", stand_in)
 
 
 def mixer_of(model):
     layer = model.model.layers[0]
-    return layer.conv if hasattr(layer, "conv") else layer.linear_attn
+    for name in ("conv", "linear_attn", "mixer", "mamba"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    raise AssertionError(f"no mixer in {type(layer).__name__}")
 
 
 def one_rank_layout(lengths: list[int], chunk: int) -> RowLayout:
@@ -184,15 +218,17 @@ def worker(rank: int, world: int, family: str, store: str, out_dir: str) -> None
 
 @pytest.mark.parametrize(
     ("family", "world"),
-    [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3), ("lfm2", 3)],
+    [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3), ("lfm2", 3),
+     ("nemotron_h", 3), ("granitemoehybrid", 3)],
 )
 def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
-    """The shares of ``world`` ranks whose gated delta nets pass their state: float32, within
-    1e-5 of every conversation alone (loss; the gradients as one vector, as for the gathered
-    route in tests/test_mixers.py); float64, the gathered route's loss within 1e-12 and every
-    gradient within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to
-    float32; the gradients outside the gated delta net bit for bit, its own within 5e-8: the
-    float32 decay, module docstring)."""
+    """The shares of ``world`` ranks whose mixers pass their state: float32, within 1e-5 of
+    every conversation alone (loss; the gradients as one vector, as for the gathered route in
+    tests/test_mixers.py); float64, the gathered route's loss within 1e-12 and every gradient
+    within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to float32; the
+    gradients outside the gated delta net bit for bit, its own within 5e-8: the float32 decay,
+    module docstring; Nemotron-H's and Granite 4.0-H's within 1.2e-7: the Mamba 2 mixer's gated
+    norm computes in float32)."""
     spawn_ranks(worker, (world, family, rendezvous(tmp_path), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
     summed = {

@@ -23,14 +23,24 @@ grows with the row.
 A short convolution alone (LFM2's, :data:`SHORT_CONVOLUTIONS`: ``in_proj`` to ``B``, ``C``,
 ``x``; the convolution of ``B x``; ``C`` times it; ``out_proj``) needs the halos only.
 
-Done for LFM2's short convolutions and for the gated delta nets of Qwen3.5's and Qwen3-Next's
-layouts (:data:`GATED_DELTA_NETS`: separate ``in_proj_qkv``/``z``/``b``/``a`` projections, or
-Qwen3-Next's fused ``in_proj_qkvz`` and ``in_proj_ba`` split by the module's own
-``fix_query_key_value_ordering``; a depthwise ``conv1d``, the family's
-``torch_chunk_gated_delta_rule``), written against their transformers forward and checked
-against it on the first call of each row (:func:`_agrees_with_own_forward`); every other mixer,
-and rows cut into chunks shorter than the convolution's reach, gather the row's inputs
-(``model/mixers.py``).
+Mamba 2's scan (:data:`MAMBA2_MIXERS`) is the same chain with its own state: per head a
+``(P, N)`` matrix ``h`` that decays by a scalar and gains ``dt x B^T`` per token, read as
+``y = h C + D x``. It is affine in its initial state too, ``h_out = h_in T + b`` (``T`` the
+chunk's decay times ``I``), and ``y = y_0 + (h_in V)`` per token: the family's own chunked scan
+run with ``N`` extra rows of ``x`` (zeros) whose initial state is ``I`` gives ``V`` as those rows'
+outputs and ``T`` as their final state. The chain carries ``h^T`` (``(N, P)`` per head), so
+``M = T^T``, ``B = b^T`` and the correction is ``V h_in^T`` as for the delta rule.
+
+Done for LFM2's short convolutions, for Mamba 2's mixers (Mamba 2, Nemotron-H, Bamba, Granite
+4.0-H: ``in_proj`` to the gate, ``x B C`` and ``dt``; a depthwise ``conv1d``; the family's
+``mamba2_chunk_scan``; the gated ``norm``; ``out_proj``) and for the gated delta nets of
+Qwen3.5's and Qwen3-Next's layouts (:data:`GATED_DELTA_NETS`: separate
+``in_proj_qkv``/``z``/``b``/``a`` projections, or Qwen3-Next's fused ``in_proj_qkvz`` and
+``in_proj_ba`` split by the module's own ``fix_query_key_value_ordering``; a depthwise
+``conv1d``, the family's ``torch_chunk_gated_delta_rule``), written against their transformers
+forward and checked against it on the first call of each row (:func:`_agrees_with_own_forward`);
+every other mixer, and rows cut into chunks shorter than the convolution's reach, gather the
+row's inputs (``model/mixers.py``).
 """
 
 from __future__ import annotations
@@ -56,6 +66,26 @@ GATED_DELTA_NETS = (
     "Qwen3NextGatedDeltaNet",
 )
 SHORT_CONVOLUTIONS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer")
+# What :func:`_mamba2` reads of such a module.
+_MAMBA2_PARTS = (
+    "in_proj",
+    "conv1d",
+    "activation",
+    "A_log",
+    "D",
+    "dt_bias",
+    "norm",
+    "out_proj",
+    "intermediate_size",
+    "conv_dim",
+    "num_heads",
+    "head_dim",
+    "n_groups",
+    "ssm_state_size",
+    "chunk_size",
+    "time_step_limit",
+)
 # What :func:`_short_convolution` reads of such a module.
 _SHORT_PARTS = ("in_proj", "conv", "out_proj")
 # The input projections the gated delta net reads, in either layout (:func:`_projections`).
@@ -306,13 +336,17 @@ class _StateChain(torch.autograd.Function):
 
 
 def _streamed_forward(module: nn.Module):
-    """The forward below that passes ``module``'s state (:func:`_gated_delta_net` or
-    :func:`_short_convolution`) and its convolution, or None where the module is not one of
-    theirs.
+    """The forward below that passes ``module``'s state (:func:`_gated_delta_net`,
+    :func:`_mamba2` or :func:`_short_convolution`) and its convolution, or None where the module
+    is not one of theirs.
     """
     name = type(module).__name__
     if name in SHORT_CONVOLUTIONS and all(hasattr(module, part) for part in _SHORT_PARTS):
         return _short_convolution, module.conv
+    if name in MAMBA2_MIXERS:
+        if any(not hasattr(module, part) for part in _MAMBA2_PARTS) or _scan(module) is None:
+            return None
+        return _mamba2, module.conv1d
     if (
         name not in GATED_DELTA_NETS
         or any(not hasattr(module, part) for part in _PARTS)
@@ -448,23 +482,112 @@ def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan |
             transitions.append(transition if transition is not None else zeros[..., :dk])
             offsets.append(offset if offset is not None else zeros[..., dk:])
     if plan is not None:  # every rank walks the chain: its chunks may pass a state on
-        # the same on every rank: the model's parameters and the layer's input alike
-        training = torch.is_grad_enabled() and (
-            hidden.requires_grad or any(p.requires_grad for p in module.parameters())
-        )
-        anchor = torch.zeros((), device=hidden.device, requires_grad=training)
-        states = _StateChain.apply(
-            torch.stack(transitions), torch.stack(offsets), halos, anchor, plan, layout.group
-        )
-        for position, j, reads in corrections:  # O = O_0 + U S_in
-            correction = torch.einsum("blhk,hkv->blhv", reads.to(state_dtype), states[j])
-            outputs[position] = (outputs[position] + correction).to(outputs[position].dtype)
-        # the chain's backward runs on every rank, one whose chunks read no state included
-        # (_StateChain): its states join the output with weight 0
-        outputs[0] = outputs[0] + 0 * states.sum().to(outputs[0].dtype)
+        _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan)
     core = torch.cat(outputs, dim=1)  # (1, L, Hv, dv)
     core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, length, -1)
     return module.out_proj(core)
+
+
+def _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan):
+    """Every chunk's state in from the chain (:class:`_StateChain`), and the outputs of the
+    segments that continue a conversation corrected in place by it: ``O = O_0 + U S_in``.
+
+    Args:
+        outputs: the segments' outputs ``(1, l, H, v)``, changed in place (list items).
+        corrections: ``(position in outputs, chunk, U (1, l, H, k))`` for each continued segment.
+        transitions, offsets: per local chunk ``M`` ``(H, k, k)`` and ``B`` ``(H, k, v)`` (zeros
+            where the chunk passes nothing on), in the state's dtype.
+        halos: the convolution's exchanged halos (an input of the chain's backward).
+    """
+    # the same on every rank: the model's parameters and the layer's input alike
+    training = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in module.parameters())
+    )
+    anchor = torch.zeros((), device=hidden.device, requires_grad=training)
+    states = _StateChain.apply(
+        torch.stack(transitions), torch.stack(offsets), halos, anchor, plan, layout.group
+    )
+    for position, j, reads in corrections:
+        correction = torch.einsum("blhk,hkv->blhv", reads.to(states.dtype), states[j])
+        outputs[position] = (outputs[position] + correction).to(outputs[position].dtype)
+    # the chain's backward runs on every rank, one whose chunks read no state included
+    # (_StateChain): its states join the output with weight 0
+    outputs[0] = outputs[0] + 0 * states.sum().to(outputs[0].dtype)
+
+
+def _mamba2(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
+    """A Mamba 2 mixer's forward on ``hidden`` ``(1, L, H)``: with ``plan``, this rank's chunks of
+    the row (halos and states from the other ranks); without, ``hidden`` as one conversation (the
+    check against the module's own forward).
+    """
+    length = hidden.shape[1]
+    heads, head_dim, state_size = module.num_heads, module.head_dim, module.ssm_state_size
+    groups = module.n_groups
+    gate, mixed, dt = module.in_proj(hidden).split(
+        [module.intermediate_size, module.conv_dim, heads], dim=-1
+    )  # (1, L, I), (1, L, Cd), (1, L, Hm)
+    decay = -torch.exp(module.A_log.float())  # (Hm,) A, as the family computes it
+    reach = module.conv1d.kernel_size[0] - 1
+    chunks, halos = _chunks_and_halos(mixed[0], layout, plan, reach)
+    scan = _scan(module)
+    state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the scan's, at least
+    outputs, corrections, transitions, offsets = [], [], [], []
+    for j, chunk in enumerate(chunks):
+        transition = offset = None
+        for index, (start, end) in enumerate(chunk.segments):
+            size = end - start
+            inputs = mixed[0, start:end]
+            continued = chunk.continued and index == 0
+            if continued:  # the convolution reads the previous chunk's last inputs first
+                inputs = torch.cat((halos[j], inputs))
+            convolved = _convolve(module, inputs)[-size:]
+            x, b, c = torch.split(
+                convolved,
+                [module.intermediate_size, groups * state_size, groups * state_size],
+                dim=-1,
+            )
+            x = x.reshape(1, size, heads, head_dim)
+            last = index == len(chunk.segments) - 1 and chunk.continues
+            initial = None
+            if continued:  # (module docstring) N zero rows of x whose initial state is I
+                x = torch.cat((x, x.new_zeros(1, size, heads, state_size)), -1)
+                identity = torch.eye(state_size, device=hidden.device).expand(
+                    1, heads, state_size, state_size
+                )
+                initial = torch.cat(
+                    (identity.new_zeros(1, heads, head_dim, state_size), identity), -2
+                )
+            result = scan(
+                x,
+                dt[:, start:end],
+                decay,
+                b.reshape(1, size, groups, state_size),
+                c.reshape(1, size, groups, state_size),
+                chunk_size=module.chunk_size,
+                D=module.D,
+                dt_bias=module.dt_bias,
+                dt_softplus=True,
+                initial_states=initial,
+                dt_limit=module.time_step_limit,
+                return_final_states=last,
+            )
+            out, final = result if last else (result, None)
+            if continued:
+                corrections.append((len(outputs), j, out[..., head_dim:]))
+                out = out[..., :head_dim]
+            if last:  # h^T: (Hm, N, P), and T^T
+                offset = final[0, :, :head_dim].transpose(-1, -2).to(state_dtype)
+                if chunk.carries:
+                    transition = final[0, :, head_dim:].transpose(-1, -2).to(state_dtype)
+            outputs.append(out)
+        if plan is not None:
+            zeros = decay.new_zeros((heads, state_size, state_size + head_dim), dtype=state_dtype)
+            transitions.append(transition if transition is not None else zeros[..., :state_size])
+            offsets.append(offset if offset is not None else zeros[..., state_size:])
+    if plan is not None:  # every rank walks the chain: its chunks may pass a state on
+        _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan)
+    scanned = torch.cat(outputs, dim=1).reshape(1, length, -1)  # (1, L, Hm P)
+    return module.out_proj(module.norm(scanned, gate).to(hidden.dtype))
 
 
 def _short_convolution(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
@@ -529,6 +652,13 @@ def _rule(module: nn.Module):
     return getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule", None)
 
 
+def _scan(module: nn.Module):
+    """The family's chunked Mamba 2 scan (transformers' reference, or the kernel it dispatches
+    to), which takes initial states and returns the final ones; None if its module has none.
+    """
+    return getattr(sys.modules[type(module).__module__], "mamba2_chunk_scan", None)
+
+
 def _depthwise(conv: nn.Conv1d, inputs: torch.Tensor) -> torch.Tensor:
     """The causal depthwise convolution ``conv`` on ``inputs`` ``(l, C)`` -> ``(l, C)`` in the
     convolution's dtype (what transformers' reference ``causal_conv1d_fn`` computes).
@@ -545,7 +675,7 @@ def _depthwise(conv: nn.Conv1d, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def _convolve(module: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-    """The gated delta net's convolution and activation on ``inputs`` ``(l, Cd)`` -> ``(l, Cd)``."""
+    """A mixer's ``conv1d`` and activation on ``inputs`` ``(l, Cd)`` -> ``(l, Cd)``."""
     from transformers.activations import ACT2FN
 
     return ACT2FN[module.activation](_depthwise(module.conv1d, inputs)).to(inputs.dtype)
