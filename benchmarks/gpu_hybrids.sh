@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_hybrids.sh pytorch WHEELS OUT     # transformers' PyTorch mixers (no fla)
 #   bash benchmarks/gpu_hybrids.sh fla WHEELS OUT         # with fla (and tilelang on Hopper)
-#   bash benchmarks/gpu_hybrids.sh exactness WHEELS OUT [DTYPE...]   # fla's route against each alone
+#   bash benchmarks/gpu_hybrids.sh exactness WHEELS OUT   # fla's route against each one alone
 #
 # Each phase installs the wheels of WHEELS (pip --no-index --no-deps into this Python):
 #   pytorch: first bench_hybrids.py (packed-ce and the family's own packed row against every
@@ -13,8 +13,8 @@
 #            trl (with the host's stacks of every slow step, and Triton's autotuning printed)
 #            and the CUDA tests of the mixers (the whole-row route through fla);
 #   exactness: bench_hybrids.py on the fla route (packed-ce and the family's own packed row
-#            against every conversation alone) for each DTYPE (float32 bfloat16 by default), one
-#            process each: with cold caches fla and tilelang compile for every dtype, minutes each.
+#            against every conversation alone, float32 and bf16, on several rows; float32 again
+#            with Triton's float32 dots in full precision).
 # Logs go to OUT (<phase>_tests_<card>.log, <phase>_bench_<card>.log); the benchmarks write their
 # JSON lines and tables into OUT too. Every step has a time limit.
 set -u
@@ -41,13 +41,14 @@ elif [ "$phase" = fla ]; then
     timeout 150 "${pytest[@]}" tests/test_mixers.py >"$out/fla_tests_$card.log" 2>&1
 elif [ "$phase" = exactness ]; then
     install
-    shift 3
-    dtypes=("$@")
-    [ ${#dtypes[@]} -gt 0 ] || dtypes=(float32 bfloat16)
-    for dtype in "${dtypes[@]}"; do
-        timeout "${EXACTNESS_SECONDS:-500}" python3 benchmarks/bench_hybrids.py --dtypes "$dtype" \
-            --out "$out" >>"$out/fla_exactness_$card.log" 2>&1
-    done
+    # float32 then bf16 in one process (bf16 is read against the float32 truth), on
+    # EXACTNESS_SAMPLES rows of the same shapes; then float32 with Triton's dots in full float32
+    # (fla's run in TF32 on Hopper by default). With cold caches fla and tilelang compile for each
+    # dtype and precision first, minutes each: a run cut short keeps the lines it wrote.
+    timeout "${EXACTNESS_SECONDS:-500}" python3 benchmarks/bench_hybrids.py \
+        --samples "${EXACTNESS_SAMPLES:-3}" --out "$out" >>"$out/fla_exactness_$card.log" 2>&1
+    TRITON_F32_DEFAULT=ieee timeout "${EXACTNESS_SECONDS:-500}" python3 benchmarks/bench_hybrids.py \
+        --dtypes float32 --out "$out" >>"$out/fla_exactness_$card.log" 2>&1
 else
     echo "gpu_hybrids.sh: unknown phase $phase (pytorch, fla or exactness)" >&2
     exit 2
