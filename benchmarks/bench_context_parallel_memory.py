@@ -3,9 +3,10 @@ r"""Context parallelism's memory per rank on the CPU: does it follow the shard, 
 For each number of ranks ``K`` and row length ``T``, ``K`` processes (gloo) share one packed row
 of a tiny hybrid model (``--model hybrid``, Qwen3.5's layout: a gated delta net layer, then a
 full-attention layer; hidden 64, 4 query heads sharing 2 key/value heads of 16, float32; or
-``--model attention``, a tiny Llama of two full-attention layers) and run one forward and
+``--model attention``, a tiny Llama of two full-attention layers; ``--model mamba2``, Nemotron-H's
+layout: a Mamba 2 mixer layer, then a full-attention layer) and run one forward and
 backward of the packed loss with :func:`enable_context_parallel`: the keys and values stream
-around the ranks, the gated delta net passes its state. ``K = 1`` runs the same streamed path on
+around the ranks, the mixers pass their state. ``K = 1`` runs the same streamed path on
 a one-rank group (a one-rank model is otherwise left as it was, and transformers' own attention
 over a packed row materialises ``T x T`` on the CPU).
 
@@ -26,6 +27,8 @@ initialisation before the measured one.
         --lengths 16384 65536 131072   # the gated delta net gathering the row, for comparison
     python benchmarks/bench_context_parallel_memory.py --model attention \
         --lengths 16384 65536 262144   # attention alone
+    python benchmarks/bench_context_parallel_memory.py --model mamba2 --lengths 16384 65536 131072 \
+        --out benchmarks/results/context_parallel_memory_cpu_mamba2.jsonl   # Mamba 2 passing its state
 
 Each result is one JSON line (``mode: "memory"``) appended to ``--out``;
 ``benchmarks/plot_context_parallel_memory.py`` draws them and prints the table.
@@ -80,6 +83,20 @@ MODELS = {  # name -> (description, tiny_causal_lm fields)
             linear_num_value_heads=4,
             linear_key_head_dim=16,
             linear_value_head_dim=16,
+        ),
+    ),
+    "mamba2": (
+        "tiny nemotron_h: Mamba 2 mixer (4 heads of 16, state 16, chunks of 128) + full "
+        "attention, hidden 64, float32",
+        dict(
+            model_type="nemotron_h",
+            layers_block_type=["linear_attention", "full_attention"],
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=1,
+            ssm_state_size=16,
+            chunk_size=128,
         ),
     ),
     "attention": ("tiny llama: two full-attention layers, hidden 64, float32", dict()),
@@ -146,7 +163,7 @@ def worker(
         enable_context_parallel(model)
         if world == 1:  # the streamed path through a ring of one (module docstring)
             stream_attention(base_model(model), context_parallel_of(model))
-        if mixers == "gathered":  # the gated delta net gathers the row's inputs, as before
+        if mixers == "gathered":  # the mixers gather the row's inputs, as before
             state.streamed_mixer = lambda *args: None
         shard, count = shard_of(8192, rank, world)  # lazy initialisations, on a short row
         model(**shard, num_items_in_batch=count).loss.backward()
