@@ -69,8 +69,8 @@ VOCAB = 256
 MiB = 2**20
 COUNTS = (
     "resident memory high-water mark of one forward and backward of the whole model (activations "
-    "kept for the backward, attention blocks and keys/values in transit, the gated delta net's "
-    "halos and states, logits, loss, gradients) minus the resident memory before it"
+    "kept for the backward, attention blocks and keys/values in transit, the mixers' halos and "
+    "states, logits, loss, gradients) minus the resident memory before it"
 )
 MODELS = {  # name -> (description, tiny_causal_lm fields)
     "hybrid": (
