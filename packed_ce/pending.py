@@ -1,6 +1,8 @@
-"""The deferred value checks: records on their way from the device, raised at the next call.
+"""The value checks of a loss call: read now, or on their way from the device and raised at
+the next call.
 
-:func:`check_pending` is where the timing of the value checks is explained, once.
+:func:`check_values` runs them (the one path, :mod:`packed_ce.records` their record);
+:func:`check_pending` is where their timing is explained, once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import records
+from .options import Boundaries, LossOptions
 from .runtime import is_tracing
 
 
@@ -74,6 +77,74 @@ def queue(record: torch.Tensor, labels_shape: tuple[int, ...], vocab_size: int, 
     check = PendingCheck(record, done, labels_shape, vocab_size, ignore_index)
     with _pending_lock:
         _pending.append(check)
+
+
+def check_values(
+    labels: torch.Tensor,
+    vocab_size: int,
+    boundaries: Boundaries,
+    options: LossOptions,
+    coef: torch.Tensor | None = None,
+) -> None:
+    """Checks a call's values (see the module docstring) with :mod:`packed_ce.records`.
+
+    With ``coef`` (``(N,)`` fp32, Triton backend) on a deferring device, a kernel writes the record
+    and makes ``coef`` NaN where a check fails; the record is queued for
+    :func:`packed_ce.check_pending`. Otherwise it is read now and raises here. Skipped while
+    tracing and on meta tensors.
+
+    Args:
+        labels: ``(N,)`` or ``(B, T)`` integer labels, their metadata checked.
+        vocab_size: ``V``. boundaries: the call's per-call tensors.
+        options: read for ``ignore_index`` and ``shift`` (what a sequence's own targets are).
+        coef: see above, or None.
+    """
+    if is_tracing() or labels.device.type == "meta":
+        return
+    count = boundaries.num_items_in_batch
+    count = count if isinstance(count, torch.Tensor) else None
+    per_sequence = dict(
+        shift=options.shift,
+        ignore_index=options.ignore_index,
+        seq_targets=boundaries.seq_targets,
+        seq_weights=boundaries.seq_weights,
+    )
+    where = dict(
+        labels_shape=tuple(labels.shape),
+        vocab_size=vocab_size,
+        ignore_index=options.ignore_index,
+    )
+    if coef is None or not defers_checks(labels.device):
+        record = records.encode(
+            labels,
+            vocab_size,
+            options.ignore_index,
+            boundaries.cu_seqlens,
+            count,
+            shift=options.shift,
+            seq_targets=boundaries.seq_targets,
+            seq_weights=boundaries.seq_weights,
+        )
+        error = records.message([record.tolist()], **where)
+        if error is not None:
+            raise ValueError(error)
+        return
+    from .kernels.checks import launch_value_checks
+
+    record = launch_value_checks(
+        labels,
+        boundaries.cu_seqlens,
+        coef,
+        count,
+        vocab_size=vocab_size,
+        ignore_index=options.ignore_index,
+    )
+    if boundaries.seq_targets is not None or boundaries.seq_weights is not None:
+        tail = records.encode_per_sequence(labels, boundaries.cu_seqlens, **per_sequence)
+        record[0, records.PER_SEQUENCE :] = tail
+        found = torch.stack([record[0, field] for field in records.PER_SEQUENCE_COUNTS]).any()
+        coef.masked_fill_(found, float("nan"))
+    queue(record, **where)
 
 
 def pending_count() -> int:

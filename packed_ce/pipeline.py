@@ -11,11 +11,11 @@ from typing import Callable
 import torch
 
 from .options import Boundaries, LossOptions
-from .pending import check_pending
+from .pending import check_pending, check_values
 from .reference import compute_dtype
 from .stats import sum_sequence_losses, sum_token_stats
 from .targets import Targets, prepare_targets, sequence_ids
-from .validation import allowed_dtypes, check_arguments, check_values
+from .validation import allowed_dtypes, check_arguments
 
 
 def run_loss(

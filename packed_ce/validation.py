@@ -2,8 +2,8 @@
 
 - Metadata (free, on the host): one table, :data:`TENSOR_RULES`, then the rules that relate
   arguments (:func:`check_labels`, :func:`check_arguments`, :func:`check_linear`).
-- Values: one path, :func:`check_values`, one record (:mod:`packed_ce.records`), now or deferred
-  (:func:`packed_ce.check_pending`).
+- Values are not read here: :func:`packed_ce.pending.check_values`, one record
+  (:mod:`packed_ce.records`), now or deferred (:func:`packed_ce.check_pending`).
 
 The layers of checks, outermost first; each checks what enters there and nothing twice:
 
@@ -14,7 +14,7 @@ The layers of checks, outermost first; each checks what enters there and nothing
    rank's shard (``integrations/context_parallel/enable.py``);
 3. a loss call's options, once when built (:class:`packed_ce.options.LossOptions`), and its
    tensors' metadata (this module);
-4. their values (this module and :mod:`packed_ce.records`).
+4. their values (:mod:`packed_ce.pending`, :mod:`packed_ce.records`).
 
 Dimensions: N tokens, V vocabulary, H hidden size, S sequences, B rows and T tokens per row.
 """
@@ -27,10 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import pending, records
 from .columns import SEQUENCE_COLUMNS
-from .options import SEQUENCE_FIELDS, Boundaries, LossOptions
-from .runtime import is_tracing
+from .options import SEQUENCE_FIELDS, Boundaries
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
@@ -251,7 +249,8 @@ def check_num_items(num_items_in_batch) -> None:
     """``num_items_in_batch`` is None, an int ``>= 0`` or a one-element tensor.
 
     A Python number is checked here, always (a float, bool, NaN or inf is refused: the count is
-    an integer); a tensor's value lives on the device and is checked by :func:`check_values`.
+    an integer); a tensor's value lives on the device and is checked by
+    :func:`packed_ce.pending.check_values`.
     """
     if num_items_in_batch is None:
         return
@@ -305,74 +304,3 @@ def check_linear(
             raise ValueError(f"{name} is on {tensor.device} but hidden on {hidden.device}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be (V,) = ({weight.shape[0]},), got shape {tuple(bias.shape)}")
-
-
-# --- values: one path, now or deferred ------------------------------------------------------
-
-
-def check_values(
-    labels: torch.Tensor,
-    vocab_size: int,
-    boundaries: Boundaries,
-    options: LossOptions,
-    coef: torch.Tensor | None = None,
-) -> None:
-    """Checks a call's values (see the module docstring) with :mod:`packed_ce.records`.
-
-    With ``coef`` (``(N,)`` fp32, Triton backend) on a deferring device, a kernel writes the record
-    and makes ``coef`` NaN where a check fails; the record is queued for
-    :func:`packed_ce.check_pending`. Otherwise it is read now and raises here. Skipped while
-    tracing and on meta tensors.
-
-    Args:
-        labels: ``(N,)`` or ``(B, T)`` integer labels, their metadata checked.
-        vocab_size: ``V``. boundaries: the call's per-call tensors.
-        options: read for ``ignore_index`` and ``shift`` (what a sequence's own targets are).
-        coef: see above, or None.
-    """
-    if is_tracing() or labels.device.type == "meta":
-        return
-    count = boundaries.num_items_in_batch
-    count = count if isinstance(count, torch.Tensor) else None
-    per_sequence = dict(
-        shift=options.shift,
-        ignore_index=options.ignore_index,
-        seq_targets=boundaries.seq_targets,
-        seq_weights=boundaries.seq_weights,
-    )
-    where = dict(
-        labels_shape=tuple(labels.shape),
-        vocab_size=vocab_size,
-        ignore_index=options.ignore_index,
-    )
-    if coef is None or not pending.defers_checks(labels.device):
-        record = records.encode(
-            labels,
-            vocab_size,
-            options.ignore_index,
-            boundaries.cu_seqlens,
-            count,
-            shift=options.shift,
-            seq_targets=boundaries.seq_targets,
-            seq_weights=boundaries.seq_weights,
-        )
-        error = records.message([record.tolist()], **where)
-        if error is not None:
-            raise ValueError(error)
-        return
-    from .kernels.checks import launch_value_checks
-
-    record = launch_value_checks(
-        labels,
-        boundaries.cu_seqlens,
-        coef,
-        count,
-        vocab_size=vocab_size,
-        ignore_index=options.ignore_index,
-    )
-    if boundaries.seq_targets is not None or boundaries.seq_weights is not None:
-        tail = records.encode_per_sequence(labels, boundaries.cu_seqlens, **per_sequence)
-        record[0, records.PER_SEQUENCE :] = tail
-        found = torch.stack([record[0, field] for field in records.PER_SEQUENCE_COUNTS]).any()
-        coef.masked_fill_(found, float("nan"))
-    pending.queue(record, **where)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import packed_ce
-from packed_ce import pending, records, validation
+from packed_ce import pending, records
 from packed_ce.options import Boundaries
 
 from loss_utils import HAS_CUDA, INTERPRETING
@@ -281,7 +281,7 @@ def test_several_failures_report_the_first(deferred):
     for bad, cu_seqlens in ((labels.clone().fill_(V), None), (labels, torch.tensor([0, 7])),
                             (labels, torch.tensor([1, 6]))):
         boundaries = Boundaries(cu_seqlens=cu_seqlens)
-        validation.check_values(bad, V, boundaries, options, coef)
+        pending.check_values(bad, V, boundaries, options, coef)
     with pytest.raises(ValueError, match=r"found 6 bad values.*2 later calls failed too"):
         packed_ce.check_pending()
 
