@@ -9,7 +9,7 @@ inputs: exact.
   and gathered;
 - 2, 3 and 4 gloo ranks, Qwen3.5's tiny model (a gated delta net and full attention; Qwen3-Next's,
   whose projections are fused, LFM2's, a short convolution, and Nemotron-H's and Granite
-  4.0-H's, Mamba 2, on 3), a row of conversations over up to four chunks: the shares
+  4.0-H's, Mamba 2, on 3; Bamba's on 2), a row of conversations over up to four chunks: the shares
   add up to every conversation alone (float32) and equal the gathered route (float64), every
   gated delta net having passed its state.
 
@@ -109,6 +109,7 @@ RULES = {
     "lfm2": None,
     "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "mamba2_chunk_scan", recurrent_scan),
     "granitemoehybrid": ("transformers.models.granitemoehybrid.modeling_granitemoehybrid", "mamba2_chunk_scan", recurrent_scan),
+    "bamba": ("transformers.models.bamba.modeling_bamba", "mamba2_chunk_scan", recurrent_scan),
 }
 
 
@@ -219,7 +220,7 @@ def worker(rank: int, world: int, family: str, store: str, out_dir: str) -> None
 @pytest.mark.parametrize(
     ("family", "world"),
     [("qwen3_5_text", 2), ("qwen3_5_text", 3), ("qwen3_5_text", 4), ("qwen3_next", 3), ("lfm2", 3),
-     ("nemotron_h", 3), ("granitemoehybrid", 3)],
+     ("nemotron_h", 3), ("granitemoehybrid", 3), ("bamba", 2)],
 )
 def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
     """The shares of ``world`` ranks whose mixers pass their state: float32, within 1e-5 of
@@ -227,8 +228,8 @@ def test_states_passed_between_ranks_are_exact(family, world, tmp_path):
     tests/test_mixers.py); float64, the gathered route's loss within 1e-12 and every gradient
     within 1e-6 (measured: the loss bit for bit, which the packed loss rounds to float32; the
     gradients outside the gated delta net bit for bit, its own within 5e-8: the float32 decay,
-    module docstring; Nemotron-H's and Granite 4.0-H's within 1.2e-7: the Mamba 2 mixer's gated
-    norm computes in float32)."""
+    module docstring; Nemotron-H's, Granite 4.0-H's and Bamba's within 1.2e-7: the Mamba 2
+    mixer's gated norm computes in float32)."""
     spawn_ranks(worker, (world, family, rendezvous(tmp_path), str(tmp_path)), world)
     ranks = [torch.load(tmp_path / f"{rank}.pt") for rank in range(world)]
     summed = {
