@@ -31,8 +31,8 @@ run with ``N`` extra rows of ``x`` (zeros) whose initial state is ``I`` gives ``
 outputs and ``T`` as their final state. The chain carries ``h^T`` (``(N, P)`` per head), so
 ``M = T^T``, ``B = b^T`` and the correction is ``V h_in^T`` as for the delta rule.
 
-Done for LFM2's short convolutions, for Mamba 2's mixers (Mamba 2, Nemotron-H, Bamba, Granite
-4.0-H: ``in_proj`` to the gate, ``x B C`` and ``dt``; a depthwise ``conv1d``; the family's
+Done for LFM2's short convolutions, for the Mamba 2 mixers of Nemotron-H, Bamba and Granite
+4.0-H (``in_proj`` to the gate, ``x B C`` and ``dt``; a depthwise ``conv1d``; the family's
 ``mamba2_chunk_scan``; the gated ``norm``; ``out_proj``) and for the gated delta nets of
 Qwen3.5's and Qwen3-Next's layouts (:data:`GATED_DELTA_NETS`: separate
 ``in_proj_qkv``/``z``/``b``/``a`` projections, or Qwen3-Next's fused ``in_proj_qkvz`` and
@@ -66,7 +66,7 @@ GATED_DELTA_NETS = (
     "Qwen3NextGatedDeltaNet",
 )
 SHORT_CONVOLUTIONS = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
-MAMBA2_MIXERS = ("Mamba2Mixer", "NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer")
+MAMBA2_MIXERS = ("NemotronHMamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer")
 # What :func:`_mamba2` reads of such a module.
 _MAMBA2_PARTS = (
     "in_proj",
