@@ -432,60 +432,133 @@ def _gated_delta_net(module, hidden, layout: RowLayout | None, plan: MixerPlan |
     """
     length = hidden.shape[1]
     key_dim, value_dim = module.key_dim, module.value_dim
-    dk, dv = module.head_k_dim, module.head_v_dim
-    reach = module.conv1d.kernel_size[0] - 1
+    dk, dv, heads = module.head_k_dim, module.head_v_dim, module.num_v_heads
     mixed, z, b, a = _projections(module, hidden)  # (L, Cd), (1, L, Hv, dv), (1, L, Hv) twice
     beta = b.sigmoid()
     # as the family computes it: float32, so that exp(A_log) cannot overflow in half precision
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    chunks, halos = _chunks_and_halos(mixed, layout, plan, reach)
     rule = _rule(module)
-    heads = module.num_v_heads
-    state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the rule's, at least
+
+    def piece(convolved, start: int, end: int, continued: bool, last: bool):
+        query, key, value = torch.split(convolved, [key_dim, key_dim, value_dim], dim=-1)
+        query, key = query.reshape(1, end - start, -1, dk), key.reshape(1, end - start, -1, dk)
+        value = value.reshape(1, end - start, -1, dv)
+        initial = None
+        if continued:  # (module docstring) [V | 0] from [0 | I]: O_0 and U, B and M
+            value = torch.cat((value, value.new_zeros(value.shape[:-1] + (dk,))), -1)
+            identity = torch.eye(dk, device=hidden.device).expand(1, heads, dk, dk)
+            initial = torch.cat((identity.new_zeros(1, heads, dk, dv), identity), -1)
+        out, final = rule(
+            query,
+            key,
+            value,
+            g=g[:, start:end],
+            beta=beta[:, start:end],
+            initial_state=initial,
+            output_final_state=last,
+            use_qk_l2norm_in_kernel=True,
+        )
+        states = (final[0, ..., :dv], final[0, ..., dv:]) if last else None  # B, M
+        return out[..., :dv], out[..., dv:] if continued else None, states
+
+    core = _stream_pieces(module, hidden, mixed, layout, plan, piece, (heads, dk, dv))
+    core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, length, -1)
+    return module.out_proj(core)
+
+
+def _mamba2(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
+    """A Mamba 2 mixer's forward on ``hidden`` ``(1, L, H)``: with ``plan``, this rank's chunks of
+    the row (halos and states from the other ranks); without, ``hidden`` as one conversation (the
+    check against the module's own forward).
+    """
+    length = hidden.shape[1]
+    heads, head_dim, state_size = module.num_heads, module.head_dim, module.ssm_state_size
+    groups = module.n_groups
+    gate, mixed, dt = module.in_proj(hidden).split(
+        [module.intermediate_size, module.conv_dim, heads], dim=-1
+    )  # (1, L, I), (1, L, Cd), (1, L, Hm)
+    decay = -torch.exp(module.A_log.float())  # (Hm,) A, as the family computes it
+    scan = _scan(module)
+
+    def piece(convolved, start: int, end: int, continued: bool, last: bool):
+        size = end - start
+        x, b, c = torch.split(
+            convolved,
+            [module.intermediate_size, groups * state_size, groups * state_size],
+            dim=-1,
+        )
+        x = x.reshape(1, size, heads, head_dim)
+        initial = None
+        if continued:  # (module docstring) N zero rows of x whose initial state is I
+            x = torch.cat((x, x.new_zeros(1, size, heads, state_size)), -1)
+            identity = torch.eye(state_size, device=hidden.device).expand(
+                1, heads, state_size, state_size
+            )
+            initial = torch.cat((identity.new_zeros(1, heads, head_dim, state_size), identity), -2)
+        result = scan(
+            x,
+            dt[:, start:end],
+            decay,
+            b.reshape(1, size, groups, state_size),
+            c.reshape(1, size, groups, state_size),
+            chunk_size=module.chunk_size,
+            D=module.D,
+            dt_bias=module.dt_bias,
+            dt_softplus=True,
+            initial_states=initial,
+            dt_limit=module.time_step_limit,
+            return_final_states=last,
+        )
+        out, final = result if last else (result, None)
+        # the chain carries h^T: B = b^T (Hm, N, P), M = T^T
+        states = (final[0, :, :head_dim].mT, final[0, :, head_dim:].mT) if last else None
+        return out[..., :head_dim], out[..., head_dim:] if continued else None, states
+
+    scanned = _stream_pieces(
+        module, hidden, mixed[0], layout, plan, piece, (heads, state_size, head_dim)
+    )
+    return module.out_proj(module.norm(scanned.reshape(1, length, -1), gate).to(hidden.dtype))
+
+
+def _stream_pieces(module, hidden, mixed, layout, plan, piece, state_shape):
+    """The recurrent mixer's output ``(1, L, H, v)`` on this rank's chunks of the row (or on
+    ``hidden`` as one conversation without ``plan``): each conversation piece convolved (after
+    its halo where it continues one), run by ``piece``, and corrected by the state passed in.
+
+    Args:
+        mixed: ``(L, Cd)`` the convolution's inputs.
+        piece: ``(convolved (l, Cd), start, end, continued, last) -> (out (1, l, H, v),
+            U (1, l, H, k) where continued else None, (B (H, k, v), M (H, k, k)) where last else
+            None)``: the family's kernel on one piece (module docstring).
+        state_shape: ``(H, k, v)`` of the state the chain carries.
+    """
+    heads, k, v = state_shape
+    chunks, halos = _chunks_and_halos(mixed, layout, plan, module.conv1d.kernel_size[0] - 1)
+    state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the kernel's, at least
+    zeros = hidden.new_zeros((heads, k, k + v), dtype=state_dtype)
     outputs, corrections, transitions, offsets = [], [], [], []
     for j, chunk in enumerate(chunks):
-        transition = offset = None
+        transition, offset = zeros[..., :k], zeros[..., k:]  # where the chunk passes nothing on
         for index, (start, end) in enumerate(chunk.segments):
             inputs = mixed[start:end]
             continued = chunk.continued and index == 0
             if continued:  # the convolution reads the previous chunk's last inputs first
                 inputs = torch.cat((halos[j], inputs))
-            convolved = _convolve(module, inputs)[-(end - start) :]
-            query, key, value = torch.split(convolved, [key_dim, key_dim, value_dim], dim=-1)
-            query, key = query.reshape(1, end - start, -1, dk), key.reshape(1, end - start, -1, dk)
-            value = value.reshape(1, end - start, -1, dv)
             last = index == len(chunk.segments) - 1 and chunk.continues
-            initial = None
-            if continued:  # (module docstring) [V | 0] from [0 | I]: O_0 and U, B and M
-                value = torch.cat((value, value.new_zeros(value.shape[:-1] + (dk,))), -1)
-                identity = torch.eye(dk, device=hidden.device).expand(1, heads, dk, dk)
-                initial = torch.cat((identity.new_zeros(1, heads, dk, dv), identity), -1)
-            out, final = rule(
-                query,
-                key,
-                value,
-                g=g[:, start:end],
-                beta=beta[:, start:end],
-                initial_state=initial,
-                output_final_state=last,
-                use_qk_l2norm_in_kernel=True,
-            )
+            convolved = _convolve(module, inputs)[-(end - start) :]
+            out, reads, states = piece(convolved, start, end, continued, last)
             if continued:
-                corrections.append((len(outputs), j, out[..., dv:]))
-                out = out[..., :dv]
+                corrections.append((len(outputs), j, reads))
             if last:
-                offset = final[0, ..., :dv].to(state_dtype)
-                transition = final[0, ..., dv:].to(state_dtype) if chunk.carries else None
+                offset = states[0].to(state_dtype)
+                if chunk.carries:
+                    transition = states[1].to(state_dtype)
             outputs.append(out)
-        if plan is not None:
-            zeros = g.new_zeros((heads, dk, dk + dv), dtype=state_dtype)
-            transitions.append(transition if transition is not None else zeros[..., :dk])
-            offsets.append(offset if offset is not None else zeros[..., dk:])
+        transitions.append(transition)
+        offsets.append(offset)
     if plan is not None:  # every rank walks the chain: its chunks may pass a state on
         _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan)
-    core = torch.cat(outputs, dim=1)  # (1, L, Hv, dv)
-    core = module.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, length, -1)
-    return module.out_proj(core)
+    return torch.cat(outputs, dim=1)
 
 
 def _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan):
@@ -513,81 +586,6 @@ def _corrected(module, hidden, outputs, corrections, transitions, offsets, halos
     # the chain's backward runs on every rank, one whose chunks read no state included
     # (_StateChain): its states join the output with weight 0
     outputs[0] = outputs[0] + 0 * states.sum().to(outputs[0].dtype)
-
-
-def _mamba2(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
-    """A Mamba 2 mixer's forward on ``hidden`` ``(1, L, H)``: with ``plan``, this rank's chunks of
-    the row (halos and states from the other ranks); without, ``hidden`` as one conversation (the
-    check against the module's own forward).
-    """
-    length = hidden.shape[1]
-    heads, head_dim, state_size = module.num_heads, module.head_dim, module.ssm_state_size
-    groups = module.n_groups
-    gate, mixed, dt = module.in_proj(hidden).split(
-        [module.intermediate_size, module.conv_dim, heads], dim=-1
-    )  # (1, L, I), (1, L, Cd), (1, L, Hm)
-    decay = -torch.exp(module.A_log.float())  # (Hm,) A, as the family computes it
-    reach = module.conv1d.kernel_size[0] - 1
-    chunks, halos = _chunks_and_halos(mixed[0], layout, plan, reach)
-    scan = _scan(module)
-    state_dtype = torch.promote_types(hidden.dtype, torch.float32)  # the scan's, at least
-    outputs, corrections, transitions, offsets = [], [], [], []
-    for j, chunk in enumerate(chunks):
-        transition = offset = None
-        for index, (start, end) in enumerate(chunk.segments):
-            size = end - start
-            inputs = mixed[0, start:end]
-            continued = chunk.continued and index == 0
-            if continued:  # the convolution reads the previous chunk's last inputs first
-                inputs = torch.cat((halos[j], inputs))
-            convolved = _convolve(module, inputs)[-size:]
-            x, b, c = torch.split(
-                convolved,
-                [module.intermediate_size, groups * state_size, groups * state_size],
-                dim=-1,
-            )
-            x = x.reshape(1, size, heads, head_dim)
-            last = index == len(chunk.segments) - 1 and chunk.continues
-            initial = None
-            if continued:  # (module docstring) N zero rows of x whose initial state is I
-                x = torch.cat((x, x.new_zeros(1, size, heads, state_size)), -1)
-                identity = torch.eye(state_size, device=hidden.device).expand(
-                    1, heads, state_size, state_size
-                )
-                initial = torch.cat(
-                    (identity.new_zeros(1, heads, head_dim, state_size), identity), -2
-                )
-            result = scan(
-                x,
-                dt[:, start:end],
-                decay,
-                b.reshape(1, size, groups, state_size),
-                c.reshape(1, size, groups, state_size),
-                chunk_size=module.chunk_size,
-                D=module.D,
-                dt_bias=module.dt_bias,
-                dt_softplus=True,
-                initial_states=initial,
-                dt_limit=module.time_step_limit,
-                return_final_states=last,
-            )
-            out, final = result if last else (result, None)
-            if continued:
-                corrections.append((len(outputs), j, out[..., head_dim:]))
-                out = out[..., :head_dim]
-            if last:  # h^T: (Hm, N, P), and T^T
-                offset = final[0, :, :head_dim].transpose(-1, -2).to(state_dtype)
-                if chunk.carries:
-                    transition = final[0, :, head_dim:].transpose(-1, -2).to(state_dtype)
-            outputs.append(out)
-        if plan is not None:
-            zeros = decay.new_zeros((heads, state_size, state_size + head_dim), dtype=state_dtype)
-            transitions.append(transition if transition is not None else zeros[..., :state_size])
-            offsets.append(offset if offset is not None else zeros[..., state_size:])
-    if plan is not None:  # every rank walks the chain: its chunks may pass a state on
-        _corrected(module, hidden, outputs, corrections, transitions, offsets, halos, layout, plan)
-    scanned = torch.cat(outputs, dim=1).reshape(1, length, -1)  # (1, L, Hm P)
-    return module.out_proj(module.norm(scanned, gate).to(hidden.dtype))
 
 
 def _short_convolution(module, hidden, layout: RowLayout | None, plan: MixerPlan | None):
