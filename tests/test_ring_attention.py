@@ -300,8 +300,12 @@ def test_flex_steps_on_one_gpu(config):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import gpu_ring_attention
 
-    result = gpu_ring_attention.run_config(16384, 4, config, torch.float32, rank=1, repeats=1)
-    assert max(result["relative_errors"].values()) <= 1e-4, result["relative_errors"]
-    if config == "causal":
-        errors = gpu_ring_attention.ring_of_one(16384, torch.float32)["relative_errors"]
-        assert max(errors.values()) <= 1e-4, errors
+    # the three configurations share one process: past dynamo's default of 8 compiled entries
+    # (masks, score mods, inputs with and without gradients) the window case fell back to eager
+    # flex on an H200 (results/ring_attention_cuda_tests_h200.log), no longer the route named above
+    with torch._dynamo.config.patch(recompile_limit=64):
+        result = gpu_ring_attention.run_config(16384, 4, config, torch.float32, rank=1, repeats=1)
+        assert max(result["relative_errors"].values()) <= 1e-4, result["relative_errors"]
+        if config == "causal":
+            errors = gpu_ring_attention.ring_of_one(16384, torch.float32)["relative_errors"]
+            assert max(errors.values()) <= 1e-4, errors
