@@ -94,7 +94,6 @@ _FUSED = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
 # What else it reads of such a module (a module without one of them, or without either set of
 # projections, gathers).
 _PARTS = (
-    "hidden_size",
     "conv1d",
     "A_log",
     "dt_bias",
